@@ -1,0 +1,71 @@
+"""The state FSDP keeps per unit and per tree (provided code, not a task).
+
+A *unit* is one module passed to ``fully_shard``: its parameters (those no child unit owns) are flattened
+into at most two FlatParameters (Task 2): one for trainable parameters and one for frozen ones, because a
+FlatParameter has one ``requires_grad``. All units under one root share one ``SharedState``.
+
+The enums make the life cycle explicit, as in PyTorch's FSDP2 (``TrainingState``, ``ShardedState``):
+
+    SHARDED --pre_forward/unshard--> UNSHARDED --post_forward (reshard_after_forward)--> SHARDED
+    SHARDED --pre_backward--> UNSHARDED --post_backward--> SHARDED
+
+Tasks 3, 4 and 6 read and write these fields; you may add fields of your own on the objects, but do not
+rename these (the tests read them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+class ShardedState(Enum):
+    SHARDED = auto()    # only the local shard exists; the unsharded buffer has storage of size 0
+    UNSHARDED = auto()  # the unsharded buffer holds every rank's data; module attributes are its views
+
+
+@dataclass(eq=False)  # identity, not field equality: units are kept in lists and looked up with `in`
+class FSDPUnit:
+    module: nn.Module
+    flat_params: list  # list[FlatParameter]; the trainable one (if any) first
+    group: dist.ProcessGroup | None = None  # None means the default process group
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None   # mixed precision: dtype of the unsharded parameters
+    reduce_dtype: torch.dtype | None = None  # mixed precision: dtype of the gradient reduce-scatter
+    sharded_state: ShardedState = ShardedState.SHARDED
+    training_state: TrainingState = TrainingState.IDLE
+    is_root: bool = False
+    shared: SharedState | None = None  # set when the tree is initialized (Task 7's lazy root init)
+    requires_gradient_sync: bool = True
+    # Handles of all-gathers issued for this unit but not yet waited on (Task 6's prefetch).
+    pending_unshard: list = field(default_factory=list)
+    # Flat parameters whose post-backward has run in the current backward pass.
+    post_backward_done: set = field(default_factory=set)
+
+    def __repr__(self) -> str:
+        return f"FSDPUnit({type(self.module).__name__}, {self.sharded_state.name}, {self.training_state.name})"
+
+
+@dataclass(eq=False)
+class SharedState:
+    """One per tree of units (per root)."""
+
+    units: list[FSDPUnit]                 # every unit in the tree, in module pre-order (root first)
+    prefetch: bool = False                # Task 6: forward/backward prefetch and async reduce-scatter
+    forward_order: list[FSDPUnit] = field(default_factory=list)  # units in the order the last forward ran them
+    recording_order: list[FSDPUnit] = field(default_factory=list)  # the order of the forward in progress
+    # Reduce-scatters issued but not yet waited on: (work, flat_param, output shard) tuples.
+    pending_reduce_scatters: list[tuple[Any, Any, torch.Tensor]] = field(default_factory=list)
+    backward_callback_queued: bool = False
