@@ -43,6 +43,7 @@ class FSDPUnit:
     group: dist.ProcessGroup | None = None  # None means the default process group
     reshard_after_forward: bool = True
     param_dtype: torch.dtype | None = None   # mixed precision: dtype of the unsharded parameters
+    cast_forward_inputs: bool = True         # mixed precision: cast floating inputs to param_dtype
     reduce_dtype: torch.dtype | None = None  # mixed precision: dtype of the gradient reduce-scatter
     sharded_state: ShardedState = ShardedState.SHARDED
     training_state: TrainingState = TrainingState.IDLE
@@ -66,6 +67,6 @@ class SharedState:
     prefetch: bool = False                # Task 6: forward/backward prefetch and async reduce-scatter
     forward_order: list[FSDPUnit] = field(default_factory=list)  # units in the order the last forward ran them
     recording_order: list[FSDPUnit] = field(default_factory=list)  # the order of the forward in progress
-    # Reduce-scatters issued but not yet waited on: (work, flat_param, output shard) tuples.
-    pending_reduce_scatters: list[tuple[Any, Any, torch.Tensor]] = field(default_factory=list)
+    # Reduce-scatters issued but not yet waited on: (work, flat_param, output shard, input kept alive).
+    pending_reduce_scatters: list[tuple[Any, Any, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     backward_callback_queued: bool = False

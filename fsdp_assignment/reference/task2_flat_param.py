@@ -1,0 +1,155 @@
+"""Task 2: FlatParameter.
+
+A FlatParameter turns a unit's parameters into one 1-D buffer so that one collective moves them all:
+
+    unsharded (padded_numel):  | p0 ... | p1 ...... | p2 .. | pad |
+    rank r keeps shard r:      |<- shard_numel ->|<- shard_numel ->| ...   (shard_offset = r * shard_numel)
+
+``padded_numel`` is ``numel`` rounded up to a multiple of the world size W, so every rank holds a shard of
+the same size (collectives need equal sizes); the padding is zero and must stay zero. Between uses the
+unsharded buffer keeps its tensor object but its storage is resized to 0 bytes: the memory is really freed,
+while views of it (which autograd may have saved for backward) stay valid and see the data again once the
+storage is re-allocated and refilled.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def _resolve(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """'blocks.0.attn.c_attn.weight' -> (the c_attn module, 'weight')."""
+    module_path, _, attr = name.rpartition(".")
+    return (root.get_submodule(module_path) if module_path else root), attr
+
+
+class FlatParameter:
+    """The flattened, padded, sharded parameters of one unit, and the views that stand in for them.
+
+    Attributes (the tests read them):
+        param_names:   the unique parameters' names, relative to ``module``, in flattening order
+        aliases:       every name in ``param_names`` given to the constructor -> the unique name it shares
+                       storage with (a tied parameter appears once in ``param_names``, twice here)
+        shapes, numels, param_offsets: per unique parameter, its shape, numel, and offset in the flat buffer
+        numel:         sum of ``numels`` (no padding)
+        padded_numel:  ``numel`` rounded up to a multiple of ``world_size``
+        shard_numel:   ``padded_numel // world_size``
+        shard_offset:  ``rank * shard_numel``, where this rank's shard starts in the flat buffer
+        shard:         ``nn.Parameter`` of shape ``[shard_numel]``: this rank's shard (what the optimizer sees)
+        unsharded:     1-D tensor of ``padded_numel`` elements whose storage has size 0 while sharded
+    """
+
+    def __init__(self, module: nn.Module, param_names: list[str], rank: int, world_size: int,
+                 unsharded_dtype: torch.dtype | None = None):
+        """Flatten ``module``'s parameters ``param_names`` and keep only ``rank``'s shard.
+
+        All parameters must share dtype, device and ``requires_grad``. A parameter reachable under several
+        names (tied weights) is stored once. The original ``nn.Parameter``s are removed from their modules
+        (so ``module.parameters()`` no longer yields them); ``use_unsharded_views()`` puts views back as plain
+        tensor attributes. Works on the ``meta`` device too (then the shard is on ``meta`` as well).
+        ``unsharded_dtype`` (mixed precision) is the dtype of ``unsharded``; by default the parameters'.
+        Memory: never materializes the full flat buffer; each parameter's slice that falls in this rank's
+        shard is copied straight into the shard.
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        if not param_names:
+            raise ValueError("a FlatParameter needs at least one parameter")
+        self.module = module
+        self.rank, self.world_size = rank, world_size
+
+        # Deduplicate by identity: tied parameters are flattened (and updated) once.
+        self.param_names: list[str] = []
+        self.aliases: dict[str, str] = {}
+        unique: dict[int, tuple[str, nn.Parameter]] = {}
+        for name in param_names:
+            param = module.get_parameter(name)
+            if id(param) not in unique:
+                unique[id(param)] = (name, param)
+                self.param_names.append(name)
+            self.aliases[name] = unique[id(param)][0]
+        params = [p for _, p in unique.values()]
+        first = params[0]
+        for name, p in unique.values():
+            if (p.dtype, p.device, p.requires_grad) != (first.dtype, first.device, first.requires_grad):
+                raise ValueError(f"parameter {name!r} differs in dtype/device/requires_grad from the rest; "
+                                 "one FlatParameter holds parameters that agree on all three")
+
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.param_offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.numel = sum(self.numels)
+        self.padded_numel = -(-self.numel // world_size) * world_size
+        self.shard_numel = self.padded_numel // world_size
+        self.shard_offset = rank * self.shard_numel
+        self.dtype, self.device, self.requires_grad = first.dtype, first.device, first.requires_grad
+
+        # The shard starts as zeros, so the padding (if this rank holds any) is zero.
+        self.shard = nn.Parameter(torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device),
+                                  requires_grad=self.requires_grad)
+        for name, param in zip(self.param_names, params):
+            self.copy_into_shard(name, param.detach())
+
+        # Remove the originals: from now on the unit owns its parameters only through ``shard``.
+        for name in self.aliases:
+            owner, attr = _resolve(module, name)
+            if attr in owner._parameters:
+                del owner._parameters[attr]
+        # A leaf that requires grad (when trainable): autograd accumulates every view's gradient into its
+        # ``.grad``, one padded flat gradient, which is exactly what the reduce-scatter needs. The tensor
+        # object lives as long as the FlatParameter (hooks are registered on it); only its storage comes
+        # and goes.
+        self.unsharded = torch.empty(self.padded_numel, dtype=unsharded_dtype or self.dtype, device=self.device)
+        self.unsharded.untyped_storage().resize_(0)
+        self.unsharded.requires_grad_(self.requires_grad)
+        # Full gradient summed over backward passes run without gradient sync (Task 7), else None.
+        self.unsynced_grad: torch.Tensor | None = None
+
+    # ---- memory ------------------------------------------------------------------------------------------
+    def is_unsharded(self) -> bool:
+        """True while the unsharded buffer has storage (holds, or is about to hold, every rank's data)."""
+        return self.unsharded.untyped_storage().size() > 0
+
+    def alloc_unsharded(self) -> None:
+        """Give ``unsharded`` storage for ``padded_numel`` elements (contents undefined until filled)."""
+        if not self.is_unsharded():
+            self.unsharded.untyped_storage().resize_(self.padded_numel * self.unsharded.element_size())
+
+    def free_unsharded(self) -> None:
+        """Free the unsharded buffer's memory by resizing its storage to 0 bytes (views stay valid objects)."""
+        self.unsharded.untyped_storage().resize_(0)
+
+    # ---- views -------------------------------------------------------------------------------------------
+    def unsharded_views(self) -> list[torch.Tensor]:
+        """One view of ``unsharded`` per unique parameter, with the parameter's shape (no copies)."""
+        return [self.unsharded[off:off + n].view(shape)
+                for off, n, shape in zip(self.param_offsets, self.numels, self.shapes)]
+
+    def use_unsharded_views(self) -> None:
+        """Point every original parameter name (aliases included) at its view of the unsharded buffer.
+
+        The views are made now, with autograd recording, so that gradients flow into ``unsharded.grad``.
+        """
+        views = dict(zip(self.param_names, self.unsharded_views()))
+        for name, unique_name in self.aliases.items():
+            owner, attr = _resolve(self.module, name)
+            setattr(owner, attr, views[unique_name])
+
+    # ---- shard I/O ---------------------------------------------------------------------------------------
+    def shard_range(self, name: str) -> tuple[int, int, int]:
+        """For parameter ``name``: (start, end) of its flattened elements that lie in this rank's shard, and
+        where that piece starts inside the shard. ``start == end`` when no element of it lies here."""
+        i = self.param_names.index(self.aliases[name])
+        lo = max(self.param_offsets[i], self.shard_offset)
+        hi = min(self.param_offsets[i] + self.numels[i], self.shard_offset + self.shard_numel)
+        if hi <= lo:
+            return 0, 0, 0
+        return lo - self.param_offsets[i], hi - self.param_offsets[i], lo - self.shard_offset
+
+    def copy_into_shard(self, name: str, full: torch.Tensor) -> None:
+        """Copy the part of the full parameter ``name`` that lies in this rank's shard into ``shard``."""
+        start, end, at = self.shard_range(name)
+        if end > start:
+            with torch.no_grad():
+                self.shard[at:at + end - start].copy_(full.reshape(-1)[start:end])

@@ -1,0 +1,152 @@
+"""Task 5: sharded optimizer, gradient clipping, and checkpoints.
+
+After ``fully_shard`` the module's parameters are this rank's 1-D shards, so any ``torch.optim`` optimizer
+built over them keeps state for 1/W of the model: that is all "sharding the optimizer" takes. What needs
+care is everything that looks at the model as a whole:
+
+- the gradient norm for clipping is global: sum of squares over every rank's shard, all-reduced once (the
+  padding is zero, and a tied parameter is stored once, so nothing is counted twice);
+- state dicts speak the original parameter names (``blocks.0.attn.c_attn.weight``), never flat shards, so a
+  checkpoint loads into a plain model (full) or into the same sharding (sharded), and resuming from one is
+  indistinguishable from never stopping.
+
+Formats (``fqn`` = original parameter name relative to the module passed in):
+- model, full:      {fqn: full tensor, buffer name: tensor} on rank 0; {} on other ranks. Tied parameters
+                    appear under each of their names, as in ``nn.Module.state_dict()``.
+- model, sharded:   {fqn: 1-D tensor, the elements of that parameter that lie in this rank's shard (may be
+                    empty)} plus buffers, on every rank; each name once.
+- optimizer, full:  {"state": {fqn: {key: full tensor or scalar}}, "param_groups": [{..., "params": [fqn]}]}
+                    on rank 0, {} elsewhere.
+- optimizer, sharded: same layout, tensors as this rank's 1-D pieces, on every rank.
+Loading a full state dict: pass the same full dict on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .task7_fully_shard import FLAT_PARAM_NAMES, gather_full, named_flat_params
+
+
+def get_sharded_optimizer(module: nn.Module, optimizer_cls, **kwargs) -> torch.optim.Optimizer:
+    """``optimizer_cls`` over this rank's trainable shards (``module.parameters()`` that require grad)."""
+    return optimizer_cls([p for p in module.parameters() if p.requires_grad], **kwargs)
+
+
+@torch.no_grad()
+def clip_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale every shard gradient so the global L2 norm is at most ``max_norm``; return the global norm
+    (the same on every rank, and equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model)."""
+    grads = [fp.shard.grad for _, fp in named_flat_params(module) if fp.shard.grad is not None]
+    device = next((g.device for g in grads), torch.device("cpu"))
+    local_sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        local_sq += g.float().pow(2).sum()
+    dist.all_reduce(local_sq)  # sum of squares over all ranks: the global squared norm
+    total_norm = local_sq.sqrt()
+    # Same formula as torch.nn.utils.clip_grad_norm_, so the results match it.
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(clip_coef.to(g.dtype))
+    return total_norm
+
+
+def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    # state_dict() minus the flat shards = the persistent buffers (and any parameter FSDP does not manage).
+    return {k: v for k, v in module.state_dict().items() if k.rpartition(".")[2] not in FLAT_PARAM_NAMES}
+
+
+def get_model_state_dict(module: nn.Module, *, full: bool) -> dict[str, torch.Tensor]:
+    """The model's state dict under original names; ``full``: gathered on rank 0, else this rank's pieces."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, flat_param in named_flat_params(module):
+        if full:
+            out.update({prefix + name: t for name, t in gather_full(flat_param).items()})
+        else:
+            for name in flat_param.param_names:
+                start, end, at = flat_param.shard_range(name)
+                out[prefix + name] = flat_param.shard.detach()[at:at + end - start].clone()
+    out.update({k: v.detach().clone() for k, v in _buffers(module).items()})
+    return out if not full or dist.get_rank() == 0 else {}
+
+
+@torch.no_grad()
+def set_model_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], *, full: bool) -> None:
+    """Load a state dict made by ``get_model_state_dict`` (``full``: the same full dict on every rank)."""
+    for prefix, flat_param in named_flat_params(module):
+        for name in flat_param.param_names:
+            if full:
+                flat_param.copy_into_shard(name, state_dict[prefix + name])
+            else:
+                start, end, at = flat_param.shard_range(name)
+                flat_param.shard[at:at + end - start].copy_(state_dict[prefix + name])
+    for k, v in _buffers(module).items():
+        v.copy_(state_dict[k])
+
+
+def _flat_param_of_shards(module: nn.Module) -> dict[int, tuple[str, object]]:
+    return {id(fp.shard): (prefix, fp) for prefix, fp in named_flat_params(module)}
+
+
+def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool) -> dict:
+    """The optimizer's state under original parameter names (see the module docstring for the format)."""
+    owners = _flat_param_of_shards(module)
+    state: dict[str, dict] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        names = []
+        for shard in group["params"]:
+            prefix, flat_param = owners[id(shard)]
+            names += [prefix + n for n in flat_param.param_names]
+            for key, value in optimizer.state.get(shard, {}).items():
+                for name in flat_param.param_names:
+                    state.setdefault(prefix + name, {})
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:  # scalar, e.g. "step"
+                    for name in flat_param.param_names:
+                        state[prefix + name][key] = value.clone() if isinstance(value, torch.Tensor) else value
+                elif full:
+                    # Optimizer state is laid out like the shard, so it gathers and splits like the parameters.
+                    gathered = gather_full(flat_param, value)
+                    for name in flat_param.param_names:
+                        state[prefix + name][key] = gathered[name]
+                else:
+                    for name in flat_param.param_names:
+                        start, end, at = flat_param.shard_range(name)
+                        state[prefix + name][key] = value[at:at + end - start].clone()
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    out = {"state": state, "param_groups": groups}
+    return out if not full or dist.get_rank() == 0 else {}
+
+
+def set_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict, *,
+                             full: bool) -> None:
+    """Load an optimizer state dict made by ``get_optimizer_state_dict`` into ``optimizer`` (built over this
+    module's shards by ``get_sharded_optimizer``); ``full``: the same full dict on every rank."""
+    owners = _flat_param_of_shards(module)
+    torch_state, torch_groups, index = {}, [], 0
+    for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):
+        ids = []
+        for shard in group["params"]:
+            prefix, flat_param = owners[id(shard)]
+            per_name = {n: state_dict["state"].get(prefix + n, {}) for n in flat_param.param_names}
+            keys = next(iter(per_name.values())).keys()
+            shard_state = {}
+            for key in keys:
+                first = per_name[flat_param.param_names[0]][key]
+                if not isinstance(first, torch.Tensor) or first.dim() == 0:
+                    shard_state[key] = first.clone() if isinstance(first, torch.Tensor) else first
+                    continue
+                t = torch.zeros_like(shard)  # padding stays zero
+                for name in flat_param.param_names:
+                    start, end, at = flat_param.shard_range(name)
+                    value = per_name[name][key]
+                    t[at:at + end - start] = value.reshape(-1)[start:end] if full else value
+                shard_state[key] = t
+            if shard_state:
+                torch_state[index] = shard_state
+            ids.append(index)
+            index += 1
+        torch_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": ids})
+    optimizer.load_state_dict({"state": torch_state, "param_groups": torch_groups})

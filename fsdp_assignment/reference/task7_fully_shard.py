@@ -1,0 +1,164 @@
+"""Task 7: fully_shard, the FSDP2-style API that ties Tasks 1-6 together.
+
+    model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block)          # inside-out: children first
+    fully_shard(model)              # the root owns what no child unit owns (embeddings, ln_f, tied head)
+    optim = torch.optim.AdamW(model.parameters())   # parameters() now yields this rank's shards
+
+``fully_shard`` works in place: it replaces the unit's own parameters by FlatParameters (Task 2),
+registers the forward hooks (Task 3) and post-backward hooks (Task 4), and swaps the module's class for a
+subclass that also inherits ``FSDPModule`` (as PyTorch's FSDP2 does), adding FSDP methods. The tree of
+units is set up lazily, at the first forward: the unit whose forward runs first is the root.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..support.state import FSDPUnit, SharedState
+from .task2_flat_param import FlatParameter
+from .task3_forward import _all_gather_single, register_forward_hooks
+from .task4_backward import register_post_backward_hooks
+
+# Names under which a unit registers its FlatParameters' shards: (trainable, frozen).
+FLAT_PARAM_NAMES = ("_fsdp_flat_param", "_fsdp_flat_param_frozen")
+
+
+class FSDPModule:
+    """Mixed into every module passed to ``fully_shard`` (``type(module)`` becomes ``FSDP<Name>``)."""
+
+    @property
+    def fsdp_unit(self) -> FSDPUnit:
+        return self._fsdp_unit
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """See ``set_requires_gradient_sync`` below; applies to every unit in this module's subtree."""
+        set_requires_gradient_sync(self, requires_gradient_sync)
+
+
+def _fsdp_class(cls: type) -> type:
+    # One subclass per original class, cached, so isinstance(module, nn.Linear) etc. keep working.
+    if not hasattr(_fsdp_class, "cache"):
+        _fsdp_class.cache = {}
+    if cls not in _fsdp_class.cache:
+        _fsdp_class.cache[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _fsdp_class.cache[cls]
+
+
+def fsdp_units(module: nn.Module) -> list[FSDPUnit]:
+    """Every FSDPUnit in ``module``'s subtree, in module pre-order (so a root comes first)."""
+    return [m._fsdp_unit for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision=None) -> nn.Module:
+    """Make ``module`` one FSDP unit, in place, and return it.
+
+    The unit owns every parameter in ``module``'s subtree that no child unit owns (call ``fully_shard`` on
+    children first). Trainable and frozen parameters go into separate FlatParameters, registered on
+    ``module`` as ``_fsdp_flat_param`` / ``_fsdp_flat_param_frozen``. ``mixed_precision`` is a
+    ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` is the dtype parameters are gathered
+    and computed in, ``reduce_dtype`` the dtype gradients are reduced in (default: ``param_dtype``).
+    The default process group must be initialized.
+    """
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs torch.distributed initialized (dist.init_process_group)")
+    mp = mixed_precision
+    if mp is not None and getattr(mp, "output_dtype", None) is not None:
+        raise NotImplementedError("MixedPrecisionPolicy.output_dtype is not supported; cast the output yourself")
+
+    # Parameters a child unit owns were removed from their modules by that child's FlatParameter, so the
+    # remaining named parameters (minus the children's shards) are exactly the ones this unit owns.
+    # A parameter still reachable here that a child also flattened is tied across units: flattening it
+    # twice would silently untie it. Weak references: they keep no freed parameter alive.
+    child_params = {id(p): p for u in fsdp_units(module) for ref in u.module._fsdp_param_refs
+                    if (p := ref()) is not None}
+    trainable, frozen = [], []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if name.rpartition(".")[2] in FLAT_PARAM_NAMES:
+            continue
+        if child_params.get(id(param)) is param:
+            raise ValueError(f"parameter {name!r} is shared with a child unit; apply fully_shard to the module "
+                             "that contains every user of a tied parameter, not to one of them")
+        (trainable if param.requires_grad else frozen).append(name)
+
+    param_refs = [weakref.ref(module.get_parameter(n)) for n in trainable + frozen]
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    param_dtype = mp.param_dtype if mp is not None else None
+    flat_params = []
+    for names, attr in ((trainable, FLAT_PARAM_NAMES[0]), (frozen, FLAT_PARAM_NAMES[1])):
+        if names:
+            flat_param = FlatParameter(module, names, rank, world_size, unsharded_dtype=param_dtype)
+            module.register_parameter(attr, flat_param.shard)
+            flat_params.append(flat_param)
+
+    unit = FSDPUnit(module=module, flat_params=flat_params, reshard_after_forward=reshard_after_forward,
+                    param_dtype=param_dtype,
+                    reduce_dtype=(mp.reduce_dtype or param_dtype) if mp is not None else None,
+                    cast_forward_inputs=mp.cast_forward_inputs if mp is not None else True)
+    module._fsdp_unit = unit
+    module._fsdp_param_refs = param_refs
+    module.__class__ = _fsdp_class(type(module))
+    # Registered first, so it runs before Task 3's pre-forward hook.
+    module.register_forward_pre_hook(_lazy_init_hook)
+    register_forward_hooks(unit)
+    register_post_backward_hooks(unit)
+    return module
+
+
+def _lazy_init_hook(module: nn.Module, args) -> None:
+    if module._fsdp_unit.shared is None:
+        lazy_init(module._fsdp_unit)
+
+
+def lazy_init(root: FSDPUnit) -> None:
+    """Make ``root`` the root of every unit in its subtree: one SharedState for all of them."""
+    units = fsdp_units(root.module)
+    shared = SharedState(units=units)
+    for unit in units:
+        unit.is_root = unit is root
+        unit.shared = shared
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """With False, backward keeps accumulating full (unsharded) gradients and skips the reduce-scatter,
+    for gradient accumulation over micro-batches; the next backward with True reduces the sum."""
+    for unit in fsdp_units(module):
+        unit.requires_gradient_sync = requires_gradient_sync
+
+
+def named_flat_params(module: nn.Module):
+    """(prefix, FlatParameter) for every unit in ``module``'s subtree; ``prefix`` is the unit module's name
+    relative to ``module`` with a trailing dot ('' for ``module`` itself)."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, FSDPModule):
+            for flat_param in sub._fsdp_unit.flat_params:
+                yield (name + "." if name else ""), flat_param
+
+
+@torch.no_grad()
+def gather_full(flat_param: FlatParameter, local: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """All-gather ``flat_param``'s shards (or ``local``, any tensor laid out like the shard, e.g. optimizer
+    state) and split the result into full tensors keyed by every name the FlatParameter answers to (tied
+    parameters under each of their names)."""
+    local = flat_param.shard.detach() if local is None else local.detach()
+    full = torch.empty(flat_param.padded_numel, dtype=local.dtype, device=local.device)
+    _all_gather_single(full, local, None, False)
+    unique = {name: full[off:off + n].view(shape).clone() for name, off, n, shape in
+              zip(flat_param.param_names, flat_param.param_offsets, flat_param.numels, flat_param.shapes)}
+    return {alias: unique[name] for alias, name in flat_param.aliases.items()}
+
+
+def gather_full_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Original parameter names (relative to ``module``) -> full tensors, on every rank (a collective)."""
+    out = {}
+    for prefix, flat_param in named_flat_params(module):
+        for name, tensor in gather_full(flat_param).items():
+            out[prefix + name] = tensor
+    return out
