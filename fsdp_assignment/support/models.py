@@ -162,7 +162,7 @@ class GPT(nn.Module):
 
 def gpt_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = model(idx)
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def gpt_batch(cfg: GPTConfig, batch_size: int, seed: int, device: torch.device | str = "cpu"):

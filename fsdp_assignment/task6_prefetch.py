@@ -1,0 +1,47 @@
+"""Task 6: prefetching.
+
+Without prefetching, each unit's all-gather sits on the critical path: compute waits for communication.
+With it, the all-gather of the unit that runs next is issued asynchronously while the current unit computes
+(forward and backward), and reduce-scatters run asynchronously behind the next unit's backward.
+
+What "next" means is learned, not assumed: the order in which units ran their forward is recorded every
+iteration. Forward prefetch uses the order of the previous forward (the first iteration prefetches nothing);
+backward runs the units in the reverse of the forward just recorded.
+
+Invariants: prefetching never changes a single number (results are bitwise identical with it on or off);
+at most two non-root units are unsharded at any moment (the one computing and the one prefetched); an
+all-gather in flight is always waited on before its buffer is used or freed.
+"""
+# This file is generated from the staff reference by staff/make_stubs.py: the signatures and
+# docstrings are the specification. Replace each `raise NotImplementedError` with your code; you may
+# add private helpers (names starting with `_`).
+
+from __future__ import annotations
+
+import torch.nn as nn
+from .support.state import FSDPUnit, ShardedState
+from .task3_forward import unshard
+
+
+def set_prefetch(module: nn.Module, enabled: bool) -> None:
+    """Turn prefetching (forward and backward all-gather prefetch, async reduce-scatter) on or off for the
+    tree of units rooted at ``module`` (a module passed to ``fully_shard``). Off by default."""
+    raise NotImplementedError("Task 6: implement set_prefetch() in fsdp_assignment/task6_prefetch.py (see its docstring)")
+
+
+def record_forward_order(unit: FSDPUnit) -> None:
+    """Called at the start of each unit's forward: append ``unit`` to the order being recorded. The first
+    unit of the tree (``shared.units[0]``, the root) starts a new recording; the finished recording of the
+    previous forward becomes ``shared.forward_order``."""
+    raise NotImplementedError("Task 6: implement record_forward_order() in fsdp_assignment/task6_prefetch.py (see its docstring)")
+
+
+def prefetch_forward(unit: FSDPUnit) -> None:
+    """Issue the async all-gather of the unit that ran right after ``unit`` in the previous forward."""
+    raise NotImplementedError("Task 6: implement prefetch_forward() in fsdp_assignment/task6_prefetch.py (see its docstring)")
+
+
+def prefetch_backward(unit: FSDPUnit) -> None:
+    """Issue the async all-gather of the unit whose backward runs after ``unit``'s: the one that ran right
+    before it in this iteration's forward."""
+    raise NotImplementedError("Task 6: implement prefetch_backward() in fsdp_assignment/task6_prefetch.py (see its docstring)")

@@ -1,0 +1,88 @@
+"""Task 7: fully_shard, the FSDP2-style API that ties Tasks 1-6 together.
+
+    model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block)          # inside-out: children first
+    fully_shard(model)              # the root owns what no child unit owns (embeddings, ln_f, tied head)
+    optim = torch.optim.AdamW(model.parameters())   # parameters() now yields this rank's shards
+
+``fully_shard`` works in place: it replaces the unit's own parameters by FlatParameters (Task 2),
+registers the forward hooks (Task 3) and post-backward hooks (Task 4), and swaps the module's class for a
+subclass that also inherits ``FSDPModule`` (as PyTorch's FSDP2 does), adding FSDP methods. The tree of
+units is set up lazily, at the first forward: the unit whose forward runs first is the root.
+"""
+# This file is generated from the staff reference by staff/make_stubs.py: the signatures and
+# docstrings are the specification. Replace each `raise NotImplementedError` with your code; you may
+# add private helpers (names starting with `_`).
+
+from __future__ import annotations
+
+import weakref
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from .support.state import FSDPUnit, SharedState
+from .task2_flat_param import FlatParameter
+from .task3_forward import register_forward_hooks
+from .task4_backward import register_post_backward_hooks
+FLAT_PARAM_NAMES = ("_fsdp_flat_param", "_fsdp_flat_param_frozen")
+
+
+class FSDPModule:
+    """Mixed into every module passed to ``fully_shard`` (``type(module)`` becomes ``FSDP<Name>``)."""
+
+    @property
+    def fsdp_unit(self) -> FSDPUnit:
+        raise NotImplementedError("Task 7: implement FSDPModule.fsdp_unit() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """See ``set_requires_gradient_sync`` below; applies to every unit in this module's subtree."""
+        raise NotImplementedError("Task 7: implement FSDPModule.set_requires_gradient_sync() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
+
+
+def fsdp_units(module: nn.Module) -> list[FSDPUnit]:
+    """Every FSDPUnit in ``module``'s subtree, in module pre-order (so a root comes first)."""
+    raise NotImplementedError("Task 7: implement fsdp_units() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
+
+
+def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision=None) -> nn.Module:
+    """Make ``module`` one FSDP unit, in place, and return it.
+
+    The unit owns every parameter in ``module``'s subtree that no child unit owns (call ``fully_shard`` on
+    children first). Trainable and frozen parameters go into separate FlatParameters, registered on
+    ``module`` as ``_fsdp_flat_param`` / ``_fsdp_flat_param_frozen``. ``mixed_precision`` is a
+    ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` is the dtype parameters are gathered
+    and computed in, ``reduce_dtype`` the dtype gradients are reduced in (default: ``param_dtype``).
+    The default process group must be initialized.
+    """
+    raise NotImplementedError("Task 7: implement fully_shard() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
+
+
+def lazy_init(root: FSDPUnit) -> None:
+    """Make ``root`` the root of every unit in its subtree: one SharedState for all of them."""
+    raise NotImplementedError("Task 7: implement lazy_init() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """With False, backward keeps accumulating full (unsharded) gradients and skips the reduce-scatter,
+    for gradient accumulation over micro-batches; the next backward with True reduces the sum."""
+    raise NotImplementedError("Task 7: implement set_requires_gradient_sync() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
+
+
+def named_flat_params(module: nn.Module):
+    """(prefix, FlatParameter) for every unit in ``module``'s subtree; ``prefix`` is the unit module's name
+    relative to ``module`` with a trailing dot ('' for ``module`` itself)."""
+    raise NotImplementedError("Task 7: implement named_flat_params() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
+
+
+@torch.no_grad()
+def gather_full(flat_param: FlatParameter, local: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """All-gather ``flat_param``'s shards (or ``local``, any tensor laid out like the shard, e.g. optimizer
+    state) and split the result into full tensors keyed by every name the FlatParameter answers to (tied
+    parameters under each of their names)."""
+    raise NotImplementedError("Task 7: implement gather_full() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
+
+
+def gather_full_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Original parameter names (relative to ``module``) -> full tensors, on every rank (a collective)."""
+    raise NotImplementedError("Task 7: implement gather_full_params() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
