@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from .task7_fully_shard import FLAT_PARAM_NAMES, gather_full, named_flat_params
+from .support.state import named_flat_params
 
 
 def get_sharded_optimizer(module: nn.Module, optimizer_cls, **kwargs) -> torch.optim.Optimizer:
@@ -42,6 +42,14 @@ def clip_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale every shard gradient so the global L2 norm is at most ``max_norm``; return the global norm
     (the same on every rank, and equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model)."""
     raise NotImplementedError("Task 5: implement clip_grad_norm_() in fsdp_assignment/task5_optim_ckpt.py (see its docstring)")
+
+
+@torch.no_grad()
+def gather_full(flat_param, local: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """All-gather ``flat_param``'s shards (or ``local``, any tensor laid out like the shard, e.g. optimizer
+    state) and split the result into full tensors keyed by every name the FlatParameter answers to (tied
+    parameters under each of their names). A collective: every rank calls it."""
+    raise NotImplementedError("Task 5: implement gather_full() in fsdp_assignment/task5_optim_ckpt.py (see its docstring)")
 
 
 def get_model_state_dict(module: nn.Module, *, full: bool) -> dict[str, torch.Tensor]:

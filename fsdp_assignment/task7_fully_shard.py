@@ -21,10 +21,11 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from .support.state import FSDPUnit, SharedState
+from .support.state import FSDPUnit, fsdp_units, init_shared_state, named_flat_params
 from .task2_flat_param import FlatParameter
 from .task3_forward import register_forward_hooks
 from .task4_backward import register_post_backward_hooks
+from .task5_optim_ckpt import gather_full
 FLAT_PARAM_NAMES = ("_fsdp_flat_param", "_fsdp_flat_param_frozen")
 
 
@@ -40,11 +41,6 @@ class FSDPModule:
         raise NotImplementedError("Task 7: implement FSDPModule.set_requires_gradient_sync() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
 
-def fsdp_units(module: nn.Module) -> list[FSDPUnit]:
-    """Every FSDPUnit in ``module``'s subtree, in module pre-order (so a root comes first)."""
-    raise NotImplementedError("Task 7: implement fsdp_units() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
-
-
 def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision=None) -> nn.Module:
     """Make ``module`` one FSDP unit, in place, and return it.
 
@@ -58,29 +54,10 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     raise NotImplementedError("Task 7: implement fully_shard() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
 
-def lazy_init(root: FSDPUnit) -> None:
-    """Make ``root`` the root of every unit in its subtree: one SharedState for all of them."""
-    raise NotImplementedError("Task 7: implement lazy_init() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
-
-
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
     """With False, backward keeps accumulating full (unsharded) gradients and skips the reduce-scatter,
     for gradient accumulation over micro-batches; the next backward with True reduces the sum."""
     raise NotImplementedError("Task 7: implement set_requires_gradient_sync() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
-
-
-def named_flat_params(module: nn.Module):
-    """(prefix, FlatParameter) for every unit in ``module``'s subtree; ``prefix`` is the unit module's name
-    relative to ``module`` with a trailing dot ('' for ``module`` itself)."""
-    raise NotImplementedError("Task 7: implement named_flat_params() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
-
-
-@torch.no_grad()
-def gather_full(flat_param: FlatParameter, local: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """All-gather ``flat_param``'s shards (or ``local``, any tensor laid out like the shard, e.g. optimizer
-    state) and split the result into full tensors keyed by every name the FlatParameter answers to (tied
-    parameters under each of their names)."""
-    raise NotImplementedError("Task 7: implement gather_full() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
 
 def gather_full_params(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .task7_fully_shard import FLAT_PARAM_NAMES, gather_full, named_flat_params
+from ..support.state import named_flat_params
+from .task3_forward import _all_gather_single
 
 
 def get_sharded_optimizer(module: nn.Module, optimizer_cls, **kwargs) -> torch.optim.Optimizer:
@@ -53,9 +54,24 @@ def clip_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
     return total_norm
 
 
+@torch.no_grad()
+def gather_full(flat_param, local: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """All-gather ``flat_param``'s shards (or ``local``, any tensor laid out like the shard, e.g. optimizer
+    state) and split the result into full tensors keyed by every name the FlatParameter answers to (tied
+    parameters under each of their names). A collective: every rank calls it."""
+    local = flat_param.shard.detach() if local is None else local.detach()
+    full = torch.empty(flat_param.padded_numel, dtype=local.dtype, device=local.device)
+    _all_gather_single(full, local, None, False)
+    unique = {name: full[off:off + n].view(shape).clone() for name, off, n, shape in
+              zip(flat_param.param_names, flat_param.param_offsets, flat_param.numels, flat_param.shapes)}
+    return {alias: unique[name] for alias, name in flat_param.aliases.items()}
+
+
 def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    # state_dict() minus the flat shards = the persistent buffers (and any parameter FSDP does not manage).
-    return {k: v for k, v in module.state_dict().items() if k.rpartition(".")[2] not in FLAT_PARAM_NAMES}
+    # state_dict() minus the flat shards = the persistent buffers. The shards are exactly the module's
+    # parameters (FSDP owns them all), so filter by identity rather than by name.
+    shards = {id(fp.shard) for _, fp in named_flat_params(module)}
+    return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) not in shards}
 
 
 def get_model_state_dict(module: nn.Module, *, full: bool) -> dict[str, torch.Tensor]:

@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..support.state import FSDPUnit, ShardedState
+from ..support.state import FSDPUnit, ShardedState, fsdp_units, init_shared_state
 from .task3_forward import unshard
 
 
 def set_prefetch(module: nn.Module, enabled: bool) -> None:
     """Turn prefetching (forward and backward all-gather prefetch, async reduce-scatter) on or off for the
     tree of units rooted at ``module`` (a module passed to ``fully_shard``). Off by default."""
-    from .task7_fully_shard import fsdp_units, lazy_init
     units = fsdp_units(module)
     if not units or units[0].module is not module:
         raise ValueError("set_prefetch: call it on the root module, after fully_shard(root)")
-    if units[0].shared is None:
-        lazy_init(units[0])
-    units[0].shared.prefetch = enabled
+    shared = units[0].shared or init_shared_state(units[0])
+    shared.prefetch = enabled
 
 
 def record_forward_order(unit: FSDPUnit) -> None:

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..support.state import FSDPUnit, SharedState
+from ..support.state import FSDPUnit, fsdp_units, init_shared_state, named_flat_params
 from .task2_flat_param import FlatParameter
-from .task3_forward import _all_gather_single, register_forward_hooks
+from .task3_forward import register_forward_hooks
 from .task4_backward import register_post_backward_hooks
+from .task5_optim_ckpt import gather_full
 
 # Names under which a unit registers its FlatParameters' shards: (trainable, frozen).
 FLAT_PARAM_NAMES = ("_fsdp_flat_param", "_fsdp_flat_param_frozen")
@@ -48,11 +49,6 @@ def _fsdp_class(cls: type) -> type:
     if cls not in _fsdp_class.cache:
         _fsdp_class.cache[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     return _fsdp_class.cache[cls]
-
-
-def fsdp_units(module: nn.Module) -> list[FSDPUnit]:
-    """Every FSDPUnit in ``module``'s subtree, in module pre-order (so a root comes first)."""
-    return [m._fsdp_unit for m in module.modules() if isinstance(m, FSDPModule)]
 
 
 def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision=None) -> nn.Module:
@@ -113,17 +109,9 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
 
 
 def _lazy_init_hook(module: nn.Module, args) -> None:
+    # The first unit to run forward is the root of every unit below it (FSDP2's lazy init).
     if module._fsdp_unit.shared is None:
-        lazy_init(module._fsdp_unit)
-
-
-def lazy_init(root: FSDPUnit) -> None:
-    """Make ``root`` the root of every unit in its subtree: one SharedState for all of them."""
-    units = fsdp_units(root.module)
-    shared = SharedState(units=units)
-    for unit in units:
-        unit.is_root = unit is root
-        unit.shared = shared
+        init_shared_state(module._fsdp_unit)
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
@@ -131,28 +119,6 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     for gradient accumulation over micro-batches; the next backward with True reduces the sum."""
     for unit in fsdp_units(module):
         unit.requires_gradient_sync = requires_gradient_sync
-
-
-def named_flat_params(module: nn.Module):
-    """(prefix, FlatParameter) for every unit in ``module``'s subtree; ``prefix`` is the unit module's name
-    relative to ``module`` with a trailing dot ('' for ``module`` itself)."""
-    for name, sub in module.named_modules():
-        if isinstance(sub, FSDPModule):
-            for flat_param in sub._fsdp_unit.flat_params:
-                yield (name + "." if name else ""), flat_param
-
-
-@torch.no_grad()
-def gather_full(flat_param: FlatParameter, local: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """All-gather ``flat_param``'s shards (or ``local``, any tensor laid out like the shard, e.g. optimizer
-    state) and split the result into full tensors keyed by every name the FlatParameter answers to (tied
-    parameters under each of their names)."""
-    local = flat_param.shard.detach() if local is None else local.detach()
-    full = torch.empty(flat_param.padded_numel, dtype=local.dtype, device=local.device)
-    _all_gather_single(full, local, None, False)
-    unique = {name: full[off:off + n].view(shape).clone() for name, off, n, shape in
-              zip(flat_param.param_names, flat_param.param_offsets, flat_param.numels, flat_param.shapes)}
-    return {alias: unique[name] for alias, name in flat_param.aliases.items()}
 
 
 def gather_full_params(module: nn.Module) -> dict[str, torch.Tensor]:

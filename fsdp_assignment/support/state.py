@@ -70,3 +70,32 @@ class SharedState:
     # Reduce-scatters issued but not yet waited on: (work, flat_param, output shard, input kept alive).
     pending_reduce_scatters: list[tuple[Any, Any, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     backward_callback_queued: bool = False
+
+
+def fsdp_units(module: nn.Module) -> list[FSDPUnit]:
+    """Every FSDPUnit in ``module``'s subtree, in module pre-order (a root comes first).
+
+    A module is a unit when it carries a ``_fsdp_unit`` attribute (``fully_shard`` sets it)."""
+    units = (getattr(m, "_fsdp_unit", None) for m in module.modules())
+    return [u for u in units if isinstance(u, FSDPUnit)]
+
+
+def named_flat_params(module: nn.Module):
+    """Yield ``(prefix, flat_param)`` for every FlatParameter of every unit in ``module``'s subtree; ``prefix``
+    is the unit module's name relative to ``module`` plus a dot ('' for ``module`` itself), so
+    ``prefix + name`` is a parameter's original name relative to ``module``."""
+    for name, sub in module.named_modules():
+        unit = getattr(sub, "_fsdp_unit", None)
+        if isinstance(unit, FSDPUnit):
+            for flat_param in unit.flat_params:
+                yield (name + "." if name else ""), flat_param
+
+
+def init_shared_state(root: FSDPUnit) -> SharedState:
+    """Make ``root`` the root of every unit in its module's subtree: they all get one SharedState."""
+    units = fsdp_units(root.module)
+    shared = SharedState(units=units)
+    for unit in units:
+        unit.is_root = unit is root
+        unit.shared = shared
+    return shared
