@@ -1,0 +1,118 @@
+"""Helpers shared by the public tests.
+
+Two kinds, kept apart on purpose:
+
+- **rank-side** (``hand_shard``, ``describe_flat_params``): run inside rank processes, next to the code under
+  test, and only call the implementation through ``adapters``;
+- **parent-side** (``expected_shard``, ``train_single_process``, ``assert_close``): run in the pytest process,
+  which never imports an implementation. Everything graded is compared here, against plain single-process
+  PyTorch, never against the staff reference.
+
+``hand_shard`` wires FSDP units by hand from Tasks 2-4 (FlatParameter, forward hooks, post-backward hooks),
+so the tests of Tasks 1-6 do not need Task 7's ``fully_shard``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adapters
+from fsdp_assignment.support.models import GPT, GPTConfig, gpt_batch, gpt_loss
+from fsdp_assignment.support.state import FSDPUnit, fsdp_units, init_shared_state, named_flat_params
+
+FLAT_PARAM_NAMES = ("_fsdp_flat_param", "_fsdp_flat_param_frozen")
+
+
+# ---- rank-side --------------------------------------------------------------------------------------------
+def hand_shard(root: nn.Module, unit_modules: list[nn.Module], *, reshard_after_forward: bool = True,
+               backward: bool = True):
+    """Make each of ``unit_modules`` (children before parents, ``root`` last) an FSDP unit by hand.
+
+    Each unit owns the parameters of its subtree that no earlier unit took, split into a trainable and a
+    frozen FlatParameter (Task 2); forward hooks (Task 3) and, with ``backward``, post-backward hooks (Task 4)
+    are registered; the units share one SharedState with ``root``'s unit as the root. Returns the root unit.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for module in unit_modules:
+        trainable, frozen = [], []
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if name.rpartition(".")[2] not in FLAT_PARAM_NAMES:
+                (trainable if param.requires_grad else frozen).append(name)
+        flat_params = []
+        for names, attr in ((trainable, FLAT_PARAM_NAMES[0]), (frozen, FLAT_PARAM_NAMES[1])):
+            if names:
+                flat_param = adapters.make_flat_param(module, names, rank, world_size)
+                module.register_parameter(attr, flat_param.shard)
+                flat_params.append(flat_param)
+        unit = FSDPUnit(module=module, flat_params=flat_params, reshard_after_forward=reshard_after_forward)
+        module._fsdp_unit = unit
+        adapters.register_forward_hooks(unit)
+        if backward:
+            adapters.register_post_backward_hooks(unit)
+    init_shared_state(root._fsdp_unit)
+    return root._fsdp_unit
+
+
+def hand_shard_gpt(model: GPT, **kwargs):
+    return hand_shard(model, [*model.blocks, model], **kwargs)
+
+
+def describe_flat_params(module: nn.Module, *, grads: bool = False) -> list[dict]:
+    """What the parent needs to rebuild each expected shard: layout, shard, and optionally its gradient."""
+    out = []
+    for prefix, fp in named_flat_params(module):
+        d = {"prefix": prefix, "param_names": list(fp.param_names), "numel": int(fp.numel),
+             "padded_numel": int(fp.padded_numel), "shard_numel": int(fp.shard_numel),
+             "shard_offset": int(fp.shard_offset), "shard": fp.shard.detach().clone(),
+             "requires_grad": bool(fp.shard.requires_grad)}
+        if grads:
+            d["grad"] = None if fp.shard.grad is None else fp.shard.grad.detach().clone()
+        out.append(d)
+    return out
+
+
+def local_batch(cfg: GPTConfig, rank: int, world_size: int, step: int, per_rank: int = 2):
+    idx, tgt = gpt_batch(cfg, per_rank * world_size, seed=step)
+    return idx[rank * per_rank:(rank + 1) * per_rank], tgt[rank * per_rank:(rank + 1) * per_rank]
+
+
+def unsharded_storage_sizes(module: nn.Module) -> list[int]:
+    return [fp.unsharded.untyped_storage().size() for u in fsdp_units(module) for fp in u.flat_params]
+
+
+# ---- parent-side ------------------------------------------------------------------------------------------
+def expected_shard(desc: dict, full: dict[str, torch.Tensor]) -> torch.Tensor:
+    """This rank's expected shard: the named full tensors flattened in order, zero-padded, sliced."""
+    flat = torch.cat([full[desc["prefix"] + n].detach().reshape(-1) for n in desc["param_names"]])
+    assert flat.numel() == desc["numel"], f"numel {desc['numel']} reported, parameters hold {flat.numel()}"
+    flat = F.pad(flat, (0, desc["padded_numel"] - flat.numel()))
+    return flat[desc["shard_offset"]:desc["shard_offset"] + desc["shard_numel"]]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = 1e-5) -> None:
+    """Relative error in norm <= rtol (a tolerance that holds on any BLAS for fp32)."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    err = (actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)
+    assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:g}"
+
+
+def train_single_process(cfg: GPTConfig, world_size: int, steps: int, optimizer_cls, per_rank: int = 2,
+                         seed: int = 0, **optim_kwargs) -> GPT:
+    """Plain PyTorch: one process, the global batch of all ranks, the same seeds as the FSDP runs."""
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    optim = optimizer_cls(model.parameters(), **optim_kwargs)
+    for step in range(steps):
+        idx, tgt = gpt_batch(cfg, per_rank * world_size, seed=step)
+        optim.zero_grad()
+        gpt_loss(model, idx, tgt).backward()
+        optim.step()
+    return model
+
+
+def full_params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameter name -> tensor, tied parameters under every name (as FSDP's full state dicts have them)."""
+    return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}

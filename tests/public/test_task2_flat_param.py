@@ -1,0 +1,152 @@
+"""Task 2: FlatParameter (flatten, pad, shard, views, free)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import adapters
+from fsdp_assignment.support.models import TiedModel, ToyMLP
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.task2
+
+
+def _block():
+    torch.manual_seed(0)
+    return ToyMLP().blocks[0]
+
+
+def _attr(module, name):
+    """The tensor a module attribute holds now, by dotted name (views are plain attributes, not parameters)."""
+    path, _, attr = name.rpartition(".")
+    return getattr(module.get_submodule(path), attr)
+
+
+def _trainable_names(module):
+    return [n for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _layouts(rank, world_size):
+    """Every (W, r) for W = 1..4 in one process: Task 2 needs no communication."""
+    out = []
+    for w in range(1, 5):
+        for r in range(w):
+            block = _block()
+            names = _trainable_names(block)
+            fp = adapters.make_flat_param(block, names, r, w)
+            out.append({"W": w, "r": r, "numel": fp.numel, "padded_numel": fp.padded_numel,
+                        "shard_numel": fp.shard_numel, "shard_offset": fp.shard_offset,
+                        "shard": fp.shard.detach().clone(), "is_param": isinstance(fp.shard, torch.nn.Parameter),
+                        "names": list(fp.param_names), "storage": fp.unsharded.untyped_storage().size(),
+                        "left_in_module": [n for n, _ in block.named_parameters() if n in names]})
+    return out
+
+
+def test_shard_boundaries_and_padding_for_every_world_size():
+    (layouts,) = run_ranks(_layouts, 1)
+    block = _block()
+    names = _trainable_names(block)
+    flat = torch.cat([block.get_parameter(n).detach().reshape(-1) for n in names])
+    for w in range(1, 5):
+        shards = [d for d in layouts if d["W"] == w]
+        d0 = shards[0]
+        padded = -(-flat.numel() // w) * w
+        assert d0["numel"] == flat.numel(), f"W={w}: numel {d0['numel']}, expected {flat.numel()}"
+        assert d0["padded_numel"] == padded, f"W={w}: padded_numel {d0['padded_numel']}, expected {padded}"
+        for d in shards:
+            assert d["is_param"], "FlatParameter.shard must be an nn.Parameter (the optimizer steps it)"
+            assert d["shard_numel"] == padded // w and d["shard_offset"] == d["r"] * (padded // w), \
+                f"W={w} r={d['r']}: shard_numel/shard_offset wrong"
+            assert d["storage"] == 0, f"W={w} r={d['r']}: a new FlatParameter must start sharded (storage size 0)"
+            assert d["left_in_module"] == [], \
+                f"W={w}: original parameters still registered on the module: {d['left_in_module']}"
+        joined = torch.cat([d["shard"] for d in shards])
+        assert torch.equal(joined, F.pad(flat, (0, padded - flat.numel()))), \
+            f"W={w}: the shards, concatenated in rank order, must be the flattened parameters plus zero padding"
+
+
+def _views_and_free(rank, world_size):
+    block = _block()
+    names = _trainable_names(block)
+    fp = adapters.make_flat_param(block, names, 1, 3)
+    fp.alloc_unsharded()
+    allocated = fp.unsharded.untyped_storage().size()
+    with torch.no_grad():
+        fp.unsharded.data.copy_(torch.arange(fp.padded_numel, dtype=fp.unsharded.dtype))
+    views = fp.unsharded_views()
+    base = fp.unsharded.untyped_storage().data_ptr()
+    aliases = [v.untyped_storage().data_ptr() == base for v in views]
+    fp.use_unsharded_views()
+    attrs = {n: _attr(block, n).detach().clone() for n in names}
+    is_unsharded_before = fp.is_unsharded()
+    views = [v.detach().clone() for v in views]  # before the free: afterwards they point at no memory
+    fp.free_unsharded()
+    return {"allocated": allocated, "itemsize": fp.unsharded.element_size(), "padded_numel": fp.padded_numel,
+            "views": views, "aliases": aliases, "attrs": attrs,
+            "shapes": [list(s) for s in fp.shapes], "names": list(fp.param_names),
+            "offsets": list(fp.param_offsets), "before": is_unsharded_before, "after": fp.is_unsharded(),
+            "freed": fp.unsharded.untyped_storage().size()}
+
+
+def test_views_alias_the_flat_buffer_and_free_releases_storage():
+    (got,) = run_ranks(_views_and_free, 1)
+    assert got["allocated"] == got["padded_numel"] * got["itemsize"], "alloc_unsharded must allocate padded_numel elements"
+    assert all(got["aliases"]), "unsharded_views() must be views of `unsharded` (same storage), not copies"
+    offset = 0
+    for name, shape, view in zip(got["names"], got["shapes"], got["views"]):
+        n = int(torch.tensor(shape).prod()) if shape else 1
+        expected = torch.arange(offset, offset + n, dtype=view.dtype).view(shape)
+        assert torch.equal(view, expected), f"view of {name} does not cover elements [{offset}, {offset + n})"
+        assert torch.equal(got["attrs"][name], expected), f"use_unsharded_views(): module attribute {name} is not its view"
+        offset += n
+    assert got["before"] and not got["after"], "is_unsharded() must follow alloc_unsharded()/free_unsharded()"
+    assert got["freed"] == 0, "free_unsharded() must resize the storage to 0 bytes (really freeing it)"
+
+
+def _tied(rank, world_size):
+    torch.manual_seed(0)
+    model = TiedModel()
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    fp = adapters.make_flat_param(model, names, 0, 2)
+    fp.alloc_unsharded()
+    fp.use_unsharded_views()
+    same = model.head.weight.untyped_storage().data_ptr() == model.embed.weight.untyped_storage().data_ptr() \
+        and model.head.weight.storage_offset() == model.embed.weight.storage_offset()
+    return {"numel": fp.numel, "names": list(fp.param_names), "same": same,
+            "expected_numel": sum(p.numel() for p in TiedModel().parameters())}
+
+
+def test_tied_parameters_are_stored_once():
+    (got,) = run_ranks(_tied, 1)
+    assert got["numel"] == got["expected_numel"], f"numel {got['numel']}: a tied weight must be flattened once"
+    assert not ("embed.weight" in got["names"] and "head.weight" in got["names"]), \
+        "param_names must list a tied parameter once"
+    assert got["same"], "both names of a tied parameter must be the same view"
+
+
+def _mixed_requires_grad(rank, world_size):
+    block = _block()
+    try:
+        adapters.make_flat_param(block, [n for n, _ in block.named_parameters()], 0, 1)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_mixed_requires_grad_is_rejected():
+    (message,) = run_ranks(_mixed_requires_grad, 1)
+    assert message is not None, "a FlatParameter over trainable and frozen parameters must raise ValueError"
+
+
+def _meta(rank, world_size):
+    with torch.device("meta"):
+        block = ToyMLP().blocks[0]
+    fp = adapters.make_flat_param(block, _trainable_names(block), 1, 2)
+    return {"meta": fp.shard.is_meta, "numel": fp.shard_numel}
+
+
+def test_meta_parameters_give_a_meta_shard():
+    (got,) = run_ranks(_meta, 1)
+    assert got["meta"], "a FlatParameter over meta parameters must keep its shard on meta (Task 1 materializes it)"
