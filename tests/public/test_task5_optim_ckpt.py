@@ -1,0 +1,132 @@
+"""Task 5: sharded optimizer, global-norm clipping, full and sharded checkpoints with resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import adapters
+from fsdp_assignment.support.models import GPT, GPTConfig, gpt_batch, gpt_loss
+from tests.harness import run_ranks
+from tests.public.common import (assert_close, describe_flat_params, expected_shard, full_params_of,
+                                 hand_shard_gpt, local_batch, train_single_process)
+
+pytestmark = pytest.mark.task5
+
+CFG = GPTConfig()
+# Adam's first step is lr * g / (|g| + eps): for a gradient that is zero in exact arithmetic (the attention
+# key bias) it amplifies rounding noise to a full +-lr step, on any two implementations. An eps above that
+# noise (about 4e-9 here) keeps the comparison about FSDP, not about the sign of rounding noise.
+ADAM_EPS = 1e-4
+
+
+def _sharded_model(seed=0):
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    hand_shard_gpt(model)
+    return model
+
+
+def _train(model, optim, rank, world_size, steps):
+    for step in steps:
+        idx, tgt = local_batch(CFG, rank, world_size, step)
+        optim.zero_grad()
+        gpt_loss(model, idx, tgt).backward()
+        optim.step()
+
+
+def _optimizer_state(rank, world_size):
+    model = _sharded_model()
+    optim = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=1e-2, eps=ADAM_EPS)
+    _train(model, optim, rank, world_size, range(1))
+    state_numel = sum(t.numel() for s in optim.state.values() for t in s.values()
+                      if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return {"state_numel": state_numel, "full": adapters.get_model_state_dict(model, full=True)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_optimizer_state_is_sharded_and_one_adamw_step_matches(backend, world_size):
+    results = run_ranks(_optimizer_state, world_size, backend=backend)
+    expected = train_single_process(CFG, world_size, 1, torch.optim.AdamW, lr=1e-2, eps=ADAM_EPS)
+    trainable = sum(p.numel() for p in expected.parameters() if p.requires_grad)
+    for rank, got in enumerate(results):
+        target = 2 * trainable / world_size  # AdamW keeps exp_avg and exp_avg_sq
+        assert abs(got["state_numel"] - target) <= 0.01 * target, \
+            f"rank {rank}: optimizer state holds {got['state_numel']} elements, expected about {target:.0f} (1/W)"
+    full = results[0]["full"]
+    assert all(r["full"] == {} for r in results[1:]), "a full state dict lives on rank 0 only"
+    for name, p in full_params_of(expected).items():
+        assert_close(full[name], p, f"{name} after one AdamW step")
+
+
+def _clip(rank, world_size, max_norm):
+    model = _sharded_model()
+    idx, tgt = local_batch(CFG, rank, world_size, 0)
+    gpt_loss(model, idx, tgt).backward()
+    norm = adapters.clip_grad_norm_(model, max_norm)
+    return {"norm": norm.detach().clone(), "flat": describe_flat_params(model, grads=True)}
+
+
+def test_clip_grad_norm_uses_the_global_norm(backend):
+    world_size, max_norm = 3, 0.05
+    results = run_ranks(_clip, world_size, max_norm, backend=backend)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    idx, tgt = gpt_batch(CFG, 2 * world_size, seed=0)
+    gpt_loss(model, idx, tgt).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    assert norm > max_norm, "test set-up: the norm must exceed max_norm so clipping happens"
+    grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+    for rank, got in enumerate(results):
+        assert_close(got["norm"], norm, f"rank {rank}: returned norm (must be the global norm over all ranks)")
+        for desc in got["flat"]:
+            assert_close(desc["grad"], expected_shard(desc, grads), f"rank {rank}: clipped gradient shard")
+
+
+def _checkpoint(rank, world_size):
+    # Uninterrupted: 4 steps.
+    model = _sharded_model()
+    optim = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    _train(model, optim, rank, world_size, range(2))
+    saved = {kind: (adapters.get_model_state_dict(model, full=kind == "full"),
+                    adapters.get_optimizer_state_dict(model, optim, full=kind == "full"))
+             for kind in ("full", "sharded")}
+    _train(model, optim, rank, world_size, range(2, 4))
+    uninterrupted = [fp.shard.detach().clone() for _, fp in _named(model)]
+    # Full checkpoints are made on rank 0; every rank loads the same dict.
+    box = [saved["full"]]
+    dist.broadcast_object_list(box, src=0)
+    saved["full"] = box[0]
+    resumed = {}
+    for kind in ("full", "sharded"):
+        model = _sharded_model(seed=1)  # different init: everything must come from the checkpoint
+        optim = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        adapters.set_model_state_dict(model, saved[kind][0], full=kind == "full")
+        adapters.set_optimizer_state_dict(model, optim, saved[kind][1], full=kind == "full")
+        _train(model, optim, rank, world_size, range(2, 4))
+        resumed[kind] = [fp.shard.detach().clone() for _, fp in _named(model)]
+    plain_keys_ok = None
+    if rank == 0:
+        plain = GPT(CFG)
+        missing, unexpected = plain.load_state_dict(saved["full"][0], strict=False)
+        plain_keys_ok = [*missing, *unexpected]
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "plain": plain_keys_ok,
+            "full_keys": sorted(saved["full"][1]["state"]) if saved["full"][1] else []}
+
+
+def _named(model):
+    from fsdp_assignment.support.state import named_flat_params
+    return list(named_flat_params(model))
+
+
+def test_resume_from_full_and_sharded_checkpoints_equals_no_interruption(backend):
+    results = run_ranks(_checkpoint, 2, backend=backend, timeout=90)
+    for rank, got in enumerate(results):
+        for kind in ("full", "sharded"):
+            for a, b in zip(got["uninterrupted"], got["resumed"][kind]):
+                assert torch.equal(a, b), f"rank {rank}: resuming from a {kind} checkpoint differs from never stopping"
+    assert results[0]["plain"] == [], \
+        f"the full model state dict must load into a plain GPT (strict); mismatched keys: {results[0]['plain']}"
+    names = {n for n, _ in GPT(CFG).named_parameters()}
+    assert set(results[0]["full_keys"]) == names, "full optimizer state must be keyed by original parameter names"
