@@ -67,10 +67,12 @@ if [ "$WRITEUP" = WRITEUP.md ] && [ -f WRITEUP_TEMPLATE.md ] && cmp -s WRITEUP.m
     missing+=("a filled-in WRITEUP.md (it is still identical to WRITEUP_TEMPLATE.md)")
 fi
 if [ ${#missing[@]} -gt 0 ]; then
-    bar
-    echo "ERROR: cannot build the submission; missing:" >&2
-    for m in "${missing[@]}"; do echo "  - $m" >&2; done
-    bar
+    {
+        bar
+        echo "ERROR: cannot build the submission; missing:"
+        for m in "${missing[@]}"; do echo "  - $m"; done
+        bar
+    } >&2
     exit 1
 fi
 

@@ -305,6 +305,26 @@ def check_release(dest: Path) -> list[str]:
     return problems
 
 
+# ---- The README's set-up commands --------------------------------------------------------------------
+def readme_commands(readme: str) -> tuple[str, str]:
+    """(install command, test command): the first line of a fenced code block in the README that runs
+    ``pip install``, and the first that runs ``pytest``. Comments (``# ...``) and prompts (``$ ``) are stripped."""
+    install = test = None
+    for block in re.findall(r"^```[^\n]*\n(.*?)^```", readme, re.MULTILINE | re.DOTALL):
+        for line in block.splitlines():
+            line = re.sub(r"^\s*\$\s*", "", line)
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if not line or line.startswith("#"):
+                continue
+            if install is None and re.search(r"\bpip\s+install\b", line):
+                install = line
+            elif test is None and re.search(r"\bpytest\b", line):
+                test = line
+    if install is None or test is None:
+        raise ValueError("README.md: no fenced code block with the `pip install ...` and the `... pytest` command")
+    return install, test
+
+
 # ---- The reference, rewritten for the student layout (staff checks only) -------------------------------
 def reference_task_files(root: Path = ROOT) -> dict[str, str]:
     """``fsdp_assignment/taskN_*.py`` -> the reference's source of that task, with its imports rewritten for
