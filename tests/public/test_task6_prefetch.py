@@ -1,0 +1,121 @@
+"""Task 6: prefetching (execution order, async all-gather in forward and backward, async reduce-scatter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import adapters
+from fsdp_assignment.support.models import GPT, GPTConfig, gpt_loss
+from tests.harness import run_ranks
+from tests.public.common import hand_shard_gpt, local_batch
+
+pytestmark = pytest.mark.task6
+
+CFG = GPTConfig(n_layer=4)
+ALL_GATHERS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
+REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base")
+
+
+def _train(rank, world_size, prefetch, steps=3):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    root = hand_shard_gpt(model)
+    root.shared.prefetch = prefetch
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        idx, tgt = local_batch(CFG, rank, world_size, step)
+        optim.zero_grad()
+        gpt_loss(model, idx, tgt).backward()
+        optim.step()
+    return model
+
+
+def _bitwise(rank, world_size):
+    return {p: [prm.detach().clone() for prm in _train(rank, world_size, p).parameters()] for p in (False, True)}
+
+
+def test_prefetch_changes_no_number(backend):
+    for rank, got in enumerate(run_ranks(_bitwise, 2, backend=backend)):
+        for off, on in zip(got[False], got[True]):
+            assert torch.equal(off, on), f"rank {rank}: parameters after 3 steps differ with prefetching on vs off"
+
+
+def _trace(rank, world_size):
+    """One warm-up step (records the order), then a traced step: every collective and every block forward."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    root = hand_shard_gpt(model)
+    root.shared.prefetch = True
+    units = adapters.fsdp_units(model)
+    blocks = [b._fsdp_unit for b in model.blocks]
+    events, unsharded_counts = [], []
+
+    def count_unsharded():
+        unsharded_counts.append(sum(any(fp.is_unsharded() for fp in u.flat_params) for u in units if not u.is_root))
+
+    def wrap(name, kind):
+        real = getattr(dist, name)
+
+        def patched(output, input, *args, async_op=False, **kwargs):
+            work = real(output, input, *args, async_op=async_op, **kwargs)
+            which = None
+            if kind == "ag":  # identify the unit by the buffer it gathers into
+                which = next((blocks.index(u) for u in blocks for fp in u.flat_params
+                              if fp.unsharded.untyped_storage().data_ptr() == output.untyped_storage().data_ptr()), "root")
+            events.append((kind, which, bool(async_op)))
+            count_unsharded()
+            return work
+        return patched
+
+    def forward_started(i):
+        def hook(module, args):
+            events.append(("fwd", i, None))
+            count_unsharded()
+        return hook
+
+    for i, block in enumerate(model.blocks):
+        # Registered after FSDP's hooks, so they run once FSDP's pre-forward has done its work.
+        block.register_forward_pre_hook(forward_started(i))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        if step == 1:
+            for name in ALL_GATHERS + REDUCE_SCATTERS:
+                if hasattr(dist, name):
+                    setattr(dist, name, wrap(name, "ag" if name in ALL_GATHERS else "rs"))
+        idx, tgt = local_batch(CFG, rank, world_size, step)
+        optim.zero_grad()
+        loss = gpt_loss(model, idx, tgt)
+        if step == 1:
+            events.append(("backward", None, None))
+        loss.backward()
+        optim.step()
+    return {"events": events, "max_unsharded": max(unsharded_counts)}
+
+
+def test_prefetch_order_and_at_most_two_units_unsharded(backend):
+    n = CFG.n_layer
+    for rank, got in enumerate(run_ranks(_trace, 2, backend=backend)):
+        events = got["events"]
+        split = events.index(("backward", None, None))
+        fwd, bwd = events[:split], events[split + 1:]
+        pos = {e: i for i, e in enumerate(fwd)}
+        for i in range(n - 1):
+            ag = next((j for j, e in enumerate(fwd) if e[0] == "ag" and e[1] == i + 1), None)
+            assert ag is not None, f"rank {rank}: no all-gather for block {i + 1} in forward"
+            assert fwd[ag][2], f"rank {rank}: the forward prefetch of block {i + 1} must be async (async_op=True)"
+            assert ag < pos[("fwd", i, None)], \
+                f"rank {rank}: block {i + 1}'s all-gather must be issued before block {i}'s forward computes " \
+                f"(forward prefetch); forward events: {fwd}"
+        bwd_ags = [e[1] for e in bwd if e[0] == "ag"]
+        assert bwd_ags == list(range(n - 1, -1, -1)), \
+            f"rank {rank}: backward must all-gather the blocks in reverse forward order, got {bwd_ags}"
+        rs_positions = [j for j, e in enumerate(bwd) if e[0] == "rs"]
+        for k in range(1, n):  # block n-k's reduce-scatter is the k-th; block n-1-k must be gathered before it
+            ag = next(j for j, e in enumerate(bwd) if e == ("ag", n - 1 - k, True))
+            assert ag < rs_positions[k - 1], \
+                f"rank {rank}: block {n - 1 - k} must be prefetched (async) before block {n - k}'s reduce-scatter; " \
+                f"backward events: {bwd}"
+        assert got["max_unsharded"] <= 2, \
+            f"rank {rank}: {got['max_unsharded']} non-root units were unsharded at once (at most 2: current + next)"
