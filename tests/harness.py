@@ -1,0 +1,610 @@
+"""The distributed test harness: run a test body on W fresh rank processes, and never hang or be fooled.
+
+    from tests.harness import run_ranks
+
+    def _body(rank, world_size, n):              # module level, so a rank can import it by name
+        t = torch.full((n,), float(rank))
+        dist.all_reduce(t)                       # the default process group is ready
+        return t                                 # comes back to the test, in rank order
+
+    def test_sum():
+        results = run_ranks(_body, 4, 3)         # body(rank, 4, 3) on ranks 0..3
+        assert all(torch.equal(t, torch.full((3,), 6.0)) for t in results)
+
+The protocol, step by step:
+
+1. Rank processes come from one multiprocessing "forkserver" per pytest process. The forkserver imports torch,
+   torch.distributed and this module once; each rank is a fork of it, so a rank starts in tens of milliseconds
+   instead of the 1-2 s it takes to import torch. The forkserver never imports a test module or student code,
+   and neither does the pytest process: student code runs only inside ranks, where the body calls `adapters`.
+2. Each rank starts its own session (os.setsid), so its process group holds it and anything it spawns; the
+   harness always ends a run by SIGKILLing every rank's whole group. A lifeline thread in each rank blocks on a
+   pipe whose only write end the pytest process holds: if pytest dies, for any reason, the read returns EOF and
+   the rank kills its own group. (PR_SET_PDEATHSIG would not do: a rank's parent is the forkserver.)
+3. A rank redirects its stdout and stderr (file descriptors 1 and 2, so C++ output too) to a per-rank file,
+   registers faulthandler for SIGUSR1 (stacks of every thread, to a per-rank file) and for fatal signals, sets
+   the parent's environment plus FSDP_RANK_PROCESS=1 and one thread, joins the default process group through a
+   FileStore in a fresh temporary directory (never a TCP port) with a short collective timeout, and applies the
+   memory limit, if any.
+4. Positive signal: the parent draws a random nonce per run. After the body returns, the rank destroys the
+   process group and sends (nonce, result) over a pipe, serialized with torch.save; the parent reads it with
+   torch.load(weights_only=True), which builds tensors and plain containers and refuses anything else, so a rank
+   cannot make the parent run code. A rank passes only if that message arrives. Exiting, with code 0 or not,
+   sys.exit, a signal, a hang: all are failures (RankFailure), named by rank.
+5. A rank that raises sends its traceback instead. The parent gives the other ranks a moment to report their
+   own errors, then kills them all (they would otherwise wait out their collective timeout), and raises
+   RankFailure with the first traceback, a line for each other rank, and the tail of the failing rank's output.
+6. At `timeout`, the parent sends SIGUSR1 to every live rank, waits for their stack dumps, kills them, and
+   raises RankFailure with every hung rank's stacks.
+
+Compare results in the test (the pytest process), not inside the body, when the comparison is what is graded:
+a rank runs student code, which could patch torch's comparison functions in its own process.
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib
+import importlib.util
+import io
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import resource
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+__all__ = ["run_ranks", "RankFailure", "require_backend"]
+
+OUTPUT_TAIL_CHARS = 2000  # how much of a failing rank's stdout/stderr goes into the failure message
+GRACE_AFTER_FAILURE_S = 0.25  # after a first failure, how long other ranks get to report theirs before the kill
+STACK_DUMP_WAIT_S = 0.5  # after SIGUSR1, how long to wait for the stack dumps
+
+# One forkserver per pytest process, started on first use. Preloading this module (by the name pytest gave it)
+# also preloads torch, torch.distributed and pytest, which test modules import again in every rank.
+_CTX = mp.get_context("forkserver")
+_PRELOAD = ["torch", "torch.distributed"] + ([__name__] if __name__ != "__main__" else [])
+_CTX.set_forkserver_preload(_PRELOAD)
+_forkserver_lock = threading.Lock()
+
+
+def _ensure_forkserver() -> None:
+    """Start the forkserver (once) so that it can import this module. Python 3.11's forkserver ignores the
+    parent's sys.path when it preloads, and runs in the parent's working directory: without help it cannot
+    find `tests.harness`, and every rank would import it and pytest again (+150 ms a rank)."""
+    from multiprocessing import forkserver
+    with _forkserver_lock:
+        root = os.path.dirname(os.path.abspath(__file__))
+        for _ in range(__name__.count(".")):  # tests/harness.py as tests.harness -> the repo root
+            root = os.path.dirname(root)
+        old = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([root] + ([old] if old else []))
+        try:
+            forkserver.ensure_running()
+        finally:  # only the forkserver's environment has it; ranks get the parent's (see _run_body)
+            if old is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = old
+
+
+class RankFailure(AssertionError):
+    """A run failed. The message says which rank did what; ``kind`` and ``rank`` say it to code.
+
+    kind: "raised" (the body raised; includes sys.exit), "bad-result" (the result cannot be sent back),
+    "peer-lost" (the body returned but a peer failed before the end), "exited" (the process ended without
+    reporting), "signal" (a signal ended it), "bad-message" (the rank sent something that is not a valid
+    result message for this run), "timeout" (the run outlived `timeout`). The first failure sets the kind.
+    """
+
+    def __init__(self, message: str, *, kind: str, rank: int | None):
+        super().__init__(message)
+        self.kind = kind
+        self.rank = rank
+
+
+def require_backend(backend: str, world_size: int) -> None:
+    """Skip the calling test unless ``backend`` can run ``world_size`` ranks here (gloo always can)."""
+    if backend == "gloo":
+        return
+    if backend != "nccl":
+        raise ValueError(f"unknown backend {backend!r}: use 'gloo' or 'nccl'")
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < world_size or not dist.is_nccl_available():
+        pytest.skip(f"needs {world_size} CUDA GPUs for NCCL, found {found}")
+
+
+# ==========================================================================================================
+# The parent side: start the ranks, collect their messages, kill them, explain what went wrong
+# ==========================================================================================================
+class _Rank:
+    """What the parent knows about one rank of a run."""
+
+    def __init__(self, rank: int, proc, conn, out_path: str, stack_path: str):
+        self.rank, self.proc, self.conn = rank, proc, conn
+        self.out_path, self.stack_path = out_path, stack_path
+        self.status = "running"  # -> "ok", or a RankFailure kind
+        self.result = None
+        self.error: dict = {}  # for "raised"/"bad-result": type, message, traceback
+        self.exitcode: int | None = None
+        self.finished_at: float | None = None
+
+
+def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: float = 60.0,
+              collective_timeout: float = 10.0, memory_limit_bytes: int | None = None) -> list:
+    """Run body(rank, world_size, *args) on `world_size` fresh rank processes with the default process group
+    initialized; return the per-rank return values ordered by rank.
+
+    body: a module-level function (a rank imports it by module and qualified name). args: picklable.
+    Results may be tensors (sent back detached, on CPU), bool, int, float, str, None, torch.dtype,
+    torch.Size, and lists, tuples and dicts of these.
+    timeout: seconds for the whole run, counted once every rank has started; then stacks are dumped and
+    every rank is killed. collective_timeout: the process group's timeout, so a mismatched collective
+    raises in its rank (with a traceback) well before `timeout`.
+    memory_limit_bytes: how many bytes each rank may allocate on top of what it holds when the body starts
+    (RLIMIT_DATA); beyond that an allocation fails (MemoryError or torch's "can't allocate memory").
+    Raises RankFailure on any failure; skips the test when the backend lacks devices (require_backend).
+    """
+    __tracebackhide__ = True  # pytest: show the test, not the harness
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    require_backend(backend, world_size)
+    body_ref = _body_reference(body)
+    args_blob = pickle.dumps(args)
+    _ensure_forkserver()
+    # The environment now, not the forkserver's (a snapshot taken when it started): tests may set FSDP_IMPL.
+    env = dict(os.environ)
+    nonce = secrets.token_hex(16)
+    run_dir = tempfile.mkdtemp(prefix="fsdp-ranks-")
+    lifeline_r, lifeline_w = _CTX.Pipe(duplex=False)  # the parent keeps the only write end
+    ranks: list[_Rank] = []
+    try:
+        for rank in range(world_size):
+            conn_r, conn_w = _CTX.Pipe(duplex=False)
+            out_path = os.path.join(run_dir, f"rank{rank}.out")
+            stack_path = os.path.join(run_dir, f"rank{rank}.stacks")
+            config = dict(rank=rank, world_size=world_size, backend=backend, body_ref=body_ref,
+                          args_blob=args_blob, nonce=nonce, env=env, run_dir=run_dir,
+                          out_path=out_path, stack_path=stack_path, collective_timeout=collective_timeout,
+                          memory_limit_bytes=memory_limit_bytes)
+            proc = _CTX.Process(target=_rank_main, args=(config, conn_w, lifeline_r), name=f"rank{rank}")
+            ranks.append(_Rank(rank, proc, conn_r, out_path, stack_path))
+            proc.start()
+            conn_w.close()  # the rank holds the only write end now, so its death reads as EOF
+        failure = _collect(ranks, nonce, deadline=time.monotonic() + timeout, timeout=timeout,
+                           memory_limit_bytes=memory_limit_bytes)
+    finally:
+        # Whatever happened (a failure, a KeyboardInterrupt, pytest-timeout), nothing outlives the run.
+        _kill_all(ranks)
+        lifeline_w.close()
+        lifeline_r.close()
+        for r in ranks:
+            r.conn.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if failure is not None:
+        raise failure
+    return [r.result for r in ranks]
+
+
+def _body_reference(body) -> dict:
+    """How a rank finds `body`: its module and qualified name, and its file in case the module is not on
+    sys.path (pytest's importlib import mode)."""
+    module, qualname = getattr(body, "__module__", None), getattr(body, "__qualname__", "")
+    if not callable(body) or module is None or "<locals>" in qualname or "<lambda>" in qualname:
+        raise TypeError(f"run_ranks needs a module-level function as its body, got {body!r}")
+    found = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if found is not body:
+        raise TypeError(f"run_ranks: {module}.{qualname} does not name the body {body!r}")
+    filename = getattr(getattr(sys.modules[module], "__spec__", None), "origin", None)
+    return dict(module=module, qualname=qualname, filename=filename)
+
+
+def _collect(ranks: list[_Rank], nonce: str, *, deadline: float, timeout: float,
+             memory_limit_bytes: int | None) -> RankFailure | None:
+    """Wait for every rank's message or death; stop early after a failure. Returns the failure, if any."""
+    give_up_at = deadline
+    failures: list[_Rank] = []
+    while True:
+        running = [r for r in ranks if r.status == "running"]
+        now = time.monotonic()
+        if not running or now >= give_up_at:
+            break
+        waitables = [r.conn for r in running] + [r.proc.sentinel for r in running]
+        ready = set(mp.connection.wait(waitables, timeout=give_up_at - now))
+        for r in running:
+            # A message is read before a death is believed: a rank exits right after sending.
+            if r.conn in ready or (r.proc.sentinel in ready and r.conn.poll(0)):
+                _read_message(r, nonce)
+            elif r.proc.sentinel in ready:
+                r.proc.join(1.0)
+                r.exitcode = r.proc.exitcode
+                r.status = "signal" if r.exitcode is not None and r.exitcode < 0 else "exited"
+            if r.status not in ("running", "ok"):
+                r.finished_at = time.monotonic()
+                failures.append(r)
+                give_up_at = min(give_up_at, r.finished_at + GRACE_AFTER_FAILURE_S)
+    if failures:
+        return _explain_failures(failures, ranks, memory_limit_bytes)
+    hung = [r for r in ranks if r.status == "running"]
+    if hung:
+        return _explain_timeout(hung, ranks, timeout)
+    return None
+
+
+def _read_message(r: _Rank, nonce: str) -> None:
+    try:
+        data = r.conn.recv_bytes()
+    except (EOFError, OSError):
+        r.proc.join(1.0)  # the rank closed the pipe without a message: it is dying or dead
+        r.exitcode = r.proc.exitcode
+        r.status = "signal" if r.exitcode is not None and r.exitcode < 0 else "exited"
+        return
+    message = _decode_message(data)
+    if message is None or not hmac.compare_digest(str(message.get("nonce", "")).encode(), nonce.encode()):
+        r.status = "bad-message"
+    elif message.get("status") == "ok":
+        r.status, r.result = "ok", message.get("result")
+    else:
+        r.status = message.get("status") if message.get("status") in ("bad-result", "peer-lost") else "raised"
+        r.error = {k: str(message.get(k, "")) for k in ("type", "message", "traceback")}
+
+
+def _decode_message(data: bytes) -> dict | None:
+    """A rank's message, or None when it is not one. weights_only=True: tensors and plain containers only,
+    so a hostile pickle cannot run code here."""
+    try:
+        message = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception:
+        return None
+    return message if isinstance(message, dict) else None
+
+
+def _kill_all(ranks: list[_Rank]) -> None:
+    for r in ranks:
+        if r.proc.pid is None:
+            continue  # never started
+        for kill, target in ((os.killpg, r.proc.pid), (os.kill, r.proc.pid)):
+            # killpg: the rank's session and everything it spawned. kill: in case it died before os.setsid.
+            try:
+                kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for r in ranks:
+        if r.proc.pid is not None:
+            r.proc.join(5.0)  # the forkserver reaps it; this reads its exit status
+            if r.exitcode is None:
+                r.exitcode = r.proc.exitcode
+            if r.proc.exitcode is not None:
+                r.proc.close()  # its sentinel's file descriptor, now rather than at garbage collection
+
+
+# ---- Failure messages -------------------------------------------------------------------------------------
+def _explain_failures(failures: list[_Rank], ranks: list[_Rank], memory_limit_bytes: int | None) -> RankFailure:
+    # The story is the first failure that is not an echo of another rank's death: when a rank dies, its peers'
+    # collectives fail with "Connection closed by peer", and may be read first.
+    first, world_size = min(failures, key=lambda r: (_is_echo(r), failures.index(r))), len(ranks)
+    lines = [f"rank {first.rank} of {world_size} {_what_happened(first, memory_limit_bytes)}"]
+    if first.status in ("raised", "bad-result") and first.error.get("traceback"):
+        lines += ["", f"---- rank {first.rank} traceback ----", first.error["traceback"].rstrip()]
+    lines += _output_section(first)
+    others = [r for r in ranks if r is not first]
+    if others:
+        lines += ["", "---- other ranks ----"]
+        for r in others:
+            if r.status == "ok":
+                lines.append(f"rank {r.rank}: finished")
+            elif r.status == "running":
+                lines.append(f"rank {r.rank}: still running, killed after rank {first.rank} failed")
+            else:
+                lines.append(f"rank {r.rank}: {_what_happened(r, memory_limit_bytes)}")
+    return RankFailure("\n".join(lines), kind=first.status, rank=first.rank)
+
+
+def _is_echo(r: _Rank) -> bool:
+    message = r.error.get("message", "")
+    return r.status == "peer-lost" or (r.status == "raised" and ("closed by peer" in message
+                                                                  or "reset by peer" in message))
+
+
+def _what_happened(r: _Rank, memory_limit_bytes: int | None) -> str:
+    memory_note = ""
+    if memory_limit_bytes is not None:
+        memory_note = f" (its memory limit: {memory_limit_bytes} bytes above its usage at start)"
+    if r.status == "raised":
+        if r.error["type"] == "SystemExit":
+            return f"called sys.exit({r.error['message']}) instead of returning (SystemExit)"
+        first_line = _first_line(r.error["message"])
+        text = f"raised {r.error['type']}" + (f": {first_line}" if first_line else "")
+        if r.error["type"] == "MemoryError" or "can't allocate memory" in r.error["message"]:
+            text += " -- out of memory" + memory_note
+        return text
+    if r.status in ("bad-result", "peer-lost"):
+        return r.error["message"]
+    if r.status == "bad-message":
+        return "sent a message that is not a valid result for this run (no positive signal)"
+    if r.status == "signal":
+        name = _signal_name(-r.exitcode)
+        text = f"was killed by signal {name} before reporting a result"
+        if name == "SIGKILL":
+            text += " (not by the harness: out of memory?)" + memory_note
+        elif name == "SIGABRT":
+            text += " (os.abort(), or a C++ exception / failed check in native code)" + memory_note
+        elif name == "SIGSEGV":
+            text += " (a segmentation fault in native code)"
+        return text
+    if r.status == "exited" and not os.path.exists(r.out_path):
+        # It died in multiprocessing's start-up, before _rank_main: most likely re-importing __main__.
+        main = sys.modules["__main__"]
+        main_name = main.__spec__.name if getattr(main, "__spec__", None) else getattr(main, "__file__", "?")
+        return (f"exited with code {r.exitcode} before the harness could set it up: multiprocessing re-imports "
+                f"the main module ({main_name}) in every rank; is its work guarded by "
+                f"`if __name__ == '__main__':`? The error went to this process's stderr")
+    if r.status == "exited":
+        return (f"exited with code {r.exitcode} without reporting a result (os._exit, or the process ended "
+                f"outside Python): only a body that returns counts as passing")
+    return r.status
+
+
+def _explain_timeout(hung: list[_Rank], ranks: list[_Rank], timeout: float) -> RankFailure:
+    for r in hung:  # faulthandler in each rank dumps every thread's stack to its stack file
+        try:
+            os.kill(r.proc.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    wait_until = time.monotonic() + STACK_DUMP_WAIT_S
+    while time.monotonic() < wait_until and not all(_size(r.stack_path) > 0 for r in hung):
+        time.sleep(0.02)
+    time.sleep(0.05)  # let the last dump finish writing
+    finished = [str(r.rank) for r in ranks if r not in hung]
+    headline = (f"timed out after {timeout:g} s: rank{'s' if len(hung) > 1 else ''} "
+                f"{', '.join(str(r.rank) for r in hung)} of {len(ranks)} did not finish"
+                + (f" (finished: {', '.join(finished)})" if finished else "")
+                + "; a collective that not every rank calls, or an endless loop? Stacks below; all ranks killed.")
+    lines = [headline]
+    for r in hung:
+        stacks = _tidy_stacks(_read_tail(r.stack_path, 20_000)) or "(no stack dump: it did not answer SIGUSR1)"
+        lines += ["", f"---- rank {r.rank} stacks (most recent call first) ----", stacks]
+        lines += _output_section(r)
+    return RankFailure("\n".join(lines), kind="timeout", rank=hung[0].rank)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _tidy_stacks(dump: str) -> str:
+    """A faulthandler dump without the harness: drop the lifeline thread, and cut each stack below the body
+    (the harness and multiprocessing frames that called it)."""
+    blocks = []
+    for block in dump.strip().split("\n\n"):
+        if "in _watch_lifeline" in block:
+            continue
+        kept = []
+        for line in block.splitlines():
+            if f'{os.path.basename(__file__)}", line' in line and line.rstrip().endswith("in _run_body"):
+                break
+            kept.append(line)
+        blocks.append("\n".join(kept))
+    return "\n\n".join(blocks)
+
+
+def _output_section(r: _Rank) -> list[str]:
+    tail = _tidy_stacks(_read_tail(r.out_path, OUTPUT_TAIL_CHARS)).rstrip()  # may hold a fatal-error dump
+    if not tail:
+        return []
+    return ["", f"---- rank {r.rank} stdout/stderr (last {OUTPUT_TAIL_CHARS} characters) ----", tail]
+
+
+def _read_tail(path: str, chars: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4 * chars))
+            return f.read().decode("utf-8", errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def _first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+# ==========================================================================================================
+# The rank side: everything below runs in a rank process, forked from the forkserver
+# ==========================================================================================================
+_body_code = None  # the body's code object, once found: where a rank's traceback starts
+
+
+def _rank_main(config: dict, conn, lifeline) -> None:
+    """A rank's whole life. It never returns: it ends with os._exit, so no atexit handler or leftover thread
+    of the body can keep it alive or change its exit code."""
+    os.setsid()  # own process group: the parent kills it, and everything it spawns, with one killpg
+    threading.Thread(target=_watch_lifeline, args=(lifeline,), name="harness-lifeline", daemon=True).start()
+    _redirect_output(config["out_path"])
+    stack_file = open(config["stack_path"], "w")
+    import faulthandler
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults, aborts: stacks into the output file
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
+
+    try:
+        message = {"status": "ok", "result": _run_body(config)}
+    except (_BadResult, _PeerLost) as e:  # the harness's own words; no traceback needed
+        status = "bad-result" if isinstance(e, _BadResult) else "peer-lost"
+        message = {"status": status, "type": type(e).__name__, "message": str(e), "traceback": ""}
+    except BaseException as e:  # SystemExit and KeyboardInterrupt too: only a return counts
+        message = {"status": "raised", "type": type(e).__name__, "message": str(e),
+                   "traceback": _format_traceback(e)}
+    message["nonce"] = config["nonce"]
+    try:
+        buf = io.BytesIO()
+        torch.save(message, buf)
+        conn.send_bytes(buf.getvalue())
+    except BaseException:
+        traceback.print_exc()
+        code = 3
+    else:
+        code = 0 if message["status"] == "ok" else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_body(config: dict):
+    rank, world_size, backend = config["rank"], config["world_size"], config["backend"]
+    # The parent's environment at the time of the call, plus what a rank needs.
+    os.environ.clear()
+    os.environ.update(config["env"])
+    os.environ.update(FSDP_RANK_PROCESS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                      RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)  # 2 cores and up to 4 ranks: more threads only fight
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    device_id = None
+    if backend == "nccl":  # one GPU per rank; device_id also makes NCCL connect now, not at first use
+        torch.cuda.set_device(rank)
+        device_id = torch.device("cuda", rank)
+    store = dist.FileStore(os.path.join(config["run_dir"], "store"), world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, device_id=device_id,
+                            timeout=timedelta(seconds=config["collective_timeout"]))
+    # Every rank connected before any body runs: else a fast rank could finish and exit while a slow one is
+    # still connecting to it, and the slow one would fail for no fault of the body.
+    dist.barrier()
+    body = _find_body(config["body_ref"])
+    global _body_code
+    _body_code = getattr(body, "__code__", None)
+    args = pickle.loads(config["args_blob"])
+    if config["memory_limit_bytes"] is not None:
+        _limit_memory(config["memory_limit_bytes"])
+    result = body(rank, world_size, *args)
+    result = _sendable(result, "result")
+    if dist.is_initialized():  # the body may have destroyed it itself
+        try:
+            dist.barrier()  # no rank tears down its connections while a peer may still be reading from them
+        except Exception as e:
+            raise _PeerLost(f"returned, then lost its peers at the closing barrier (another rank failed?): "
+                            f"{_first_line(str(e))}") from None
+        dist.destroy_process_group()
+    return result
+
+
+def _format_traceback(e: BaseException) -> str:
+    """The traceback from the body's frame on, when the body is in it: the harness frames above say nothing
+    about the test. (An error while setting up, before the body ran, keeps its whole traceback.)"""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code is not _body_code:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(e), e, tb if tb is not None else e.__traceback__))
+
+
+def _find_body(ref: dict):
+    try:
+        module = importlib.import_module(ref["module"])
+    except ImportError:
+        if not ref["filename"]:
+            raise
+        # pytest's importlib mode: the module is not importable by name, so load it from its file.
+        spec = importlib.util.spec_from_file_location(ref["module"], ref["filename"])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[ref["module"]] = module
+        spec.loader.exec_module(module)
+    found = module
+    for part in ref["qualname"].split("."):
+        found = getattr(found, part)
+    return found
+
+
+def _limit_memory(extra_bytes: int) -> None:
+    # RLIMIT_DATA, not RLIMIT_AS: since Linux 4.7 it counts private writable mappings (malloc, and the large
+    # mmaps behind tensors) but not the address space torch and glibc reserve without using, which makes
+    # RLIMIT_AS fail at random places. The limit is relative to the usage now, after torch and the process
+    # group are set up, so a test's number means "this much more", whatever torch's own footprint is.
+    with open("/proc/self/status") as f:
+        data_kb = next(int(line.split()[1]) for line in f if line.startswith("VmData:"))
+    limit = data_kb * 1024 + int(extra_bytes)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))  # hard too: the body cannot raise it again
+
+
+class _BadResult(TypeError):
+    """The body's result cannot travel to the parent."""
+
+
+class _PeerLost(RuntimeError):
+    """The body returned, but a peer never reached the end: the peer's failure is the story, not this."""
+
+
+def _sendable(value, where: str):
+    """The result as the parent will receive it, or _BadResult saying what is wrong and where."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    for plain in (bool, int, float, str):  # exactly these: a subclass (numpy.float64, an enum) would not load
+        if isinstance(value, plain):
+            return plain(value)
+    if isinstance(value, torch.Tensor):
+        # Detached, on CPU (the parent does not touch CUDA), compact (a view of a big buffer sends only
+        # itself), and a plain tensor (a subclass could not be loaded safely).
+        return value.detach().to("cpu").clone().as_subclass(torch.Tensor)
+    if isinstance(value, torch.Size):
+        return torch.Size(value)
+    if isinstance(value, (list, tuple)):
+        items = [_sendable(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, (str, int)):
+                raise _BadResult(f"returned a dict with a key of type {type(k).__qualname__} at {where}: "
+                                 f"keys must be str or int")
+            out[k] = _sendable(v, f"{where}[{k!r}]")
+        return out
+    raise _BadResult(f"returned an object of type {type(value).__module__}.{type(value).__qualname__} at "
+                     f"{where}: a body may return tensors, bool, int, float, str, None, torch.dtype, "
+                     f"torch.Size, and lists, tuples and dicts of these")
+
+
+def _redirect_output(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+
+
+def _watch_lifeline(lifeline) -> None:
+    """Block until the pytest process is gone (EOF on the lifeline), then kill this rank's whole group."""
+    while True:
+        try:
+            lifeline.recv_bytes()
+        except (EOFError, OSError):
+            break
+    try:
+        os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(137)

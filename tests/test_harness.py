@@ -1,0 +1,311 @@
+"""Tests of the distributed test harness itself (no task marker: they grade nothing, they guard the grader).
+
+Every failure mode of a rank that the autograder must survive is played here once, on gloo: results in rank
+order; a rank that raises (fails fast, its traceback in the message); sys.exit(0), os._exit(0), os.abort()
+and SIGKILL (failures, named); a hung collective and an endless loop (killed at the timeout, stacks shown);
+a result that cannot travel safely; a memory bomb under a limit; and no process left behind, even when the
+pytest process itself is killed.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import RankFailure, _decode_message, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- Helpers ------------------------------------------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    """Is `pid` a live process? A zombie is dead: it only waits for its (re)parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _assert_all_dead(pids: list[int], within: float = 2.0) -> None:
+    deadline = time.monotonic() + within
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not [p for p in pids if _alive(p)], f"processes outlived the run: {[p for p in pids if _alive(p)]}"
+
+
+def _children_of(pid: int) -> list[int]:
+    children = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+        if ppid == pid:
+            children.append(int(entry))
+    return children
+
+
+def _read_pids(directory: Path) -> list[int]:
+    return [int(p) for f in sorted(directory.glob("*.pids")) for p in f.read_text().split()]
+
+
+def _spawn_sleeper_and_record(rank: int, directory: str) -> None:
+    """Record this rank's pid and that of a child it spawns (which must die with the rank)."""
+    child = subprocess.Popen(["sleep", "300"])
+    Path(directory, f"rank{rank}.pids").write_text(f"{os.getpid()} {child.pid}")
+
+
+# ---- Bodies (module level: ranks import them by name) ---------------------------------------------------------
+def _sum_of_ranks(rank, world_size, n):
+    t = torch.full((n,), float(rank))
+    dist.all_reduce(t)
+    return {"rank": rank, "world_size": world_size, "sum": t, "pid": os.getpid(),
+            "rank_process": os.environ.get("FSDP_RANK_PROCESS"), "impl": os.environ.get("FSDP_IMPL"),
+            "threads": torch.get_num_threads(), "misc": (None, True, 1.5, "s", [torch.float32, torch.Size([2])]),
+            # This module imports neither: if a rank has them, the forkserver preloaded them.
+            "implementation_loaded": sorted(m for m in sys.modules if m == "adapters" or m.startswith("fsdp_"))}
+
+
+def _rank1_raises(rank, world_size):
+    print(f"rank {rank} about to fail")
+    if rank == 1:
+        assert rank == 0, "rank 1 disagrees: shard 3 differs"
+    time.sleep(60)  # rank 0 is busy: the harness must kill it, not wait for it
+    return rank
+
+
+def _rank1_raises_rank0_returns(rank, world_size):
+    if rank == 1:
+        time.sleep(0.1)
+        raise ValueError("rank 1 failed late")
+    return rank  # rank 0 returns, then waits for rank 1 at the harness's closing barrier
+
+
+def _every_rank_raises(rank, world_size):
+    raise NotImplementedError("Task 3: implement unshard in fsdp_assignment/task3_forward.py")
+
+
+def _sys_exit(rank, world_size):
+    sys.exit(0)
+
+
+def _os_exit(rank, world_size):
+    os._exit(0)
+
+
+def _abort(rank, world_size):
+    os.abort()
+
+
+def _sigkill_self(rank, world_size):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _collective_only_on_rank0(rank, world_size, directory):
+    _spawn_sleeper_and_record(rank, directory)
+    if rank == 0:
+        dist.all_reduce(torch.ones(4))  # rank 1 skips it ...
+    else:
+        dist.broadcast(torch.ones(4), src=1)  # ... and waits in another collective: a deadlock
+    return rank
+
+
+def _endless_loop(rank, world_size, directory):
+    _spawn_sleeper_and_record(rank, directory)
+    while True:
+        pass
+
+
+class _Custom:
+    pass
+
+
+def _returns_custom_object(rank, world_size):
+    return {"ok": torch.ones(2), "bad": [1, _Custom()]}
+
+
+def _memory_bomb(rank, world_size):
+    hoard = []
+    while True:
+        hoard.append(torch.empty(25_000_000))  # 100 MB a step (RLIMIT_DATA counts it untouched)
+
+
+def _sleep_forever(rank, world_size, directory):
+    _spawn_sleeper_and_record(rank, directory)
+    time.sleep(300)
+
+
+# ---- Results -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_come_back_in_rank_order(world_size, monkeypatch):
+    monkeypatch.setenv("FSDP_IMPL", "student")  # set after the forkserver started: must still reach the ranks
+    results = run_ranks(_sum_of_ranks, world_size, 3)
+    total = float(sum(range(world_size)))
+    assert [r["rank"] for r in results] == list(range(world_size))
+    for r in results:
+        assert r["world_size"] == world_size
+        assert torch.equal(r["sum"], torch.full((3,), total))
+        assert r["rank_process"] == "1" and r["impl"] == "student" and r["threads"] == 1
+        assert r["misc"] == (None, True, 1.5, "s", [torch.float32, torch.Size([2])])
+        assert r["implementation_loaded"] == []
+    assert len({r["pid"] for r in results}) == world_size
+    assert os.environ.get("FSDP_RANK_PROCESS") is None  # the pytest process is not a rank
+    _assert_all_dead([r["pid"] for r in results])
+
+
+# ---- A rank that raises --------------------------------------------------------------------------------------
+def test_raising_rank_fails_fast_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_rank1_raises, 2, collective_timeout=60)
+    assert time.monotonic() - start < 2.0  # rank 0 is killed, not left to its 60 s sleep
+    message = str(info.value)
+    assert info.value.kind == "raised" and info.value.rank == 1
+    assert message.startswith("rank 1 of 2 raised AssertionError: rank 1 disagrees: shard 3 differs")
+    assert "Traceback (most recent call last)" in message
+    assert "in _rank1_raises" in message and 'assert rank == 0, "rank 1 disagrees' in message
+    assert "rank 1 about to fail" in message  # the tail of the rank's output
+    assert "rank 0: still running, killed after rank 1 failed" in message
+
+
+def test_a_rank_that_returned_is_not_blamed_for_a_peer_failure():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_rank1_raises_rank0_returns, 2)
+    assert info.value.rank == 1 and str(info.value).startswith("rank 1 of 2 raised ValueError: rank 1 failed late")
+    assert "rank 0: returned, then lost its peers at the closing barrier" in str(info.value)
+
+
+def test_every_rank_raising_shows_the_first_and_summarizes_the_rest():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_every_rank_raises, 3)
+    message = str(info.value)
+    first = info.value.rank
+    assert message.startswith(f"rank {first} of 3 raised NotImplementedError: Task 3: implement unshard")
+    assert message.count("Traceback (most recent call last)") == 1
+    for other in {0, 1, 2} - {first}:
+        assert f"rank {other}: raised NotImplementedError: Task 3" in message
+
+
+# ---- Exits and signals: no positive signal, no pass --------------------------------------------------------
+@pytest.mark.parametrize("body, kind, words", [
+    (_sys_exit, "raised", "called sys.exit(0)"),
+    (_os_exit, "exited", "exited with code 0 without reporting a result"),
+    (_abort, "signal", "was killed by signal SIGABRT"),
+    (_sigkill_self, "signal", "was killed by signal SIGKILL"),
+])
+def test_exiting_without_returning_is_a_failure(body, kind, words):
+    with pytest.raises(RankFailure) as info:
+        run_ranks(body, 2)
+    assert info.value.kind == kind
+    assert str(info.value).startswith(f"rank {info.value.rank} of 2 {words}")
+
+
+# ---- Hangs: killed at the timeout, stacks shown, nothing left behind -----------------------------------------
+def test_collective_on_one_rank_is_killed_at_timeout_with_stacks(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_collective_only_on_rank0, 2, str(tmp_path), timeout=3, collective_timeout=60)
+    assert time.monotonic() - start < 3 + 2.5
+    message = str(info.value)
+    assert info.value.kind == "timeout"
+    assert message.startswith("timed out after 3 s: ranks 0, 1 of 2 did not finish")
+    assert "rank 0 stacks" in message and "rank 1 stacks" in message
+    assert "in all_reduce" in message and "in broadcast" in message and "in _collective_only_on_rank0" in message
+    assert "_watch_lifeline" not in message  # the harness's own thread is left out
+    _assert_all_dead(_read_pids(tmp_path))  # ranks and the processes they spawned
+
+
+def test_endless_loop_is_killed_at_timeout_with_stacks(tmp_path):
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_endless_loop, 1, str(tmp_path), timeout=3)
+    assert info.value.kind == "timeout"
+    assert "rank 0 stacks" in str(info.value) and "in _endless_loop" in str(info.value)
+    _assert_all_dead(_read_pids(tmp_path))
+
+
+def test_ranks_die_when_the_pytest_process_dies(tmp_path):
+    # A stand-in for pytest: a fresh Python that runs two ranks that sleep, then is SIGKILLed (no finally runs).
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.harness import run_ranks
+        from tests.test_harness import _sleep_forever
+        run_ranks(_sleep_forever, 2, {str(tmp_path)!r}, timeout=120)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("*.pids"))) < 2 and time.monotonic() < deadline:
+            assert parent.poll() is None, "the stand-in parent exited early"
+            time.sleep(0.05)
+        pids = _read_pids(tmp_path)
+        assert len(pids) == 4 and all(_alive(p) for p in pids)
+        helpers = _children_of(parent.pid)  # multiprocessing's forkserver and resource tracker
+    finally:
+        parent.kill()
+        parent.wait()
+    _assert_all_dead(pids + helpers, within=5.0)  # the lifeline: each rank kills its own group
+
+
+# ---- Results that cannot travel safely -------------------------------------------------------------------------
+def test_result_of_an_arbitrary_class_is_rejected():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_returns_custom_object, 1)
+    assert info.value.kind == "bad-result"
+    assert "returned an object of type tests.test_harness._Custom at result['bad'][1]" in str(info.value)
+
+
+def _forges_a_pass(rank, world_size):
+    # A hostile body: find the harness's result pipe, send a made-up "ok", and leave before the harness does.
+    import gc
+    import multiprocessing.connection
+    for obj in gc.get_objects():
+        if isinstance(obj, multiprocessing.connection.Connection) and obj.writable:
+            buf = io.BytesIO()
+            torch.save({"nonce": "0" * 32, "status": "ok", "result": rank}, buf)
+            obj.send_bytes(buf.getvalue())
+    os._exit(0)
+
+
+def test_a_forged_result_without_the_nonce_fails():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_forges_a_pass, 2)
+    assert info.value.kind == "bad-message"
+    assert "not a valid result for this run" in str(info.value)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch exploited",))
+
+
+def test_parent_refuses_a_hostile_message(tmp_path, monkeypatch):
+    # What a rank could send if it bypassed the harness's own checks: the parent must not unpickle it freely.
+    monkeypatch.chdir(tmp_path)
+    buf = io.BytesIO()
+    torch.save({"nonce": "x", "status": "ok", "result": _Exploit()}, buf)
+    assert _decode_message(buf.getvalue()) is None
+    assert not (tmp_path / "exploited").exists()
+    assert _decode_message(b"not a torch.save payload") is None
+
+
+# ---- Memory -------------------------------------------------------------------------------------------------------
+def test_memory_bomb_is_stopped_by_the_limit():
+    run_ranks(_sum_of_ranks, 2, 3, memory_limit_bytes=100_000_000)  # a limit that leaves room: no effect
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_memory_bomb, 1, memory_limit_bytes=300_000_000)
+    message = str(info.value)
+    assert "out of memory" in message and "memory limit: 300000000 bytes" in message
