@@ -69,7 +69,7 @@ import torch.distributed as dist
 __all__ = ["run_ranks", "RankFailure", "require_backend"]
 
 OUTPUT_TAIL_CHARS = 2000  # how much of a failing rank's stdout/stderr goes into the failure message
-GRACE_AFTER_FAILURE_S = 0.25  # after a first failure, how long other ranks get to report theirs before the kill
+GRACE_AFTER_FAILURE_S = 0.5  # after a first failure, how long other ranks get to report theirs before the kill
 STACK_DUMP_WAIT_S = 0.5  # after SIGUSR1, how long to wait for the stack dumps
 
 # One forkserver per pytest process, started on first use. Preloading this module (by the name pytest gave it)
