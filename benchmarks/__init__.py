@@ -1,0 +1,1 @@
+"""Benchmarks that fill the writeup: memory, communication, step time, scaling (see benchmarks/README.md)."""

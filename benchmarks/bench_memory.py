@@ -1,0 +1,227 @@
+"""Memory: per-rank peak of one training step and what it is made of, measured next to an analytic model.
+
+    python benchmarks/bench_memory.py                      # W = 1, 2, 4 on CPU (gloo), about a minute
+    python benchmarks/bench_memory.py --world-sizes 2 --params 2e6
+    torchrun --nproc-per-node=4 benchmarks/bench_memory.py # on a GPU box (CUDA allocator statistics)
+
+For each W and strategy (one process, torch's DDP, the implementation's FSDP with reshard after forward on and off
+and with prefetching, torch's FSDP2) every rank builds the benchmark GPT, takes one AdamW step (so the optimizer
+state exists, as in every later step), then measures the peak of the next step:
+
+  * on CPU with fsdp_assignment/support/memory.py's LiveStorageTracker (live tensor storages, FSDP's storage
+    resizes included), which also gives the breakdown below;
+  * on GPU with torch.cuda.max_memory_allocated (the breakdown still comes from the tracker).
+
+The breakdown is of the storages alive at the peak, by what they are once the step is over: params (this rank's
+parameters: shards under FSDP), grads (.grad), optim (AdamW's two moments), unsharded (FSDP's temporary full
+parameters and gradients: storages it resizes, all-gather outputs, reduce-scatter inputs; DDP's flat bucket
+copies), activations (everything else that forward and backward allocate: saved activations and temporaries).
+A rank's number is the worst rank's.
+
+The analytic model (per rank, fp32 parameters, AdamW), printed beside each measurement:
+
+    S          = this rank's parameter count: Ψ without sharding, sum over units of ceil(n_unit / W) with it
+    states     = 4·S params + 4·S grads + 8·S AdamW  (= 16Ψ/W bytes under full sharding)
+    A          = activations of the forward, measured once in the one-process run (the batch per rank is the same)
+    peak model = max(start of backward, end of backward), in bytes:
+      start of backward = 12·S + A + 4·U_p + 4·U_g    (sharded gradients do not exist yet: zero_grad frees them)
+      end of backward   = 16·S + 4·U_end
+    U_p        = unsharded parameters: under FSDP the root unit (embeddings, tied head) and the block being
+                 computed, plus one more block with prefetching; all Ψ without reshard; 0 without sharding
+    U_g        = unsharded gradients in flight: a block's gradient twice (autograd's per-parameter gradients and
+                 the flat buffer the reduce-scatter reads) and the tied head's gradient (vocab x n_embd)
+    U_end      = at the end of backward: the tied weight's dense embedding gradient and the sum accumulating it
+                 (2·vocab·n_embd), plus under FSDP the root unit's full parameters and full gradient
+    DDP        = 16·S + A + 4·vocab·n_embd: its gradient buckets (which .grad are views of) live all the time
+
+Output: <out>/memory.json (every rank's numbers and the model's terms), memory.md, memory.png.
+
+Table header (memory.md; the writeup copies it):
+
+| strategy | W | peak MiB | model MiB | model error | vs one process | params MiB | grads MiB | optim MiB | unsharded MiB | activations MiB |
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks import common as C  # noqa: E402
+from fsdp_assignment.support.memory import LiveStorageTracker  # noqa: E402
+
+NAME = "memory"
+HEADERS = ["strategy", "W", "peak MiB", "model MiB", "model error", "vs one process", "params MiB", "grads MiB",
+           "optim MiB", "unsharded MiB", "activations MiB"]
+STRATEGIES = ["one process", "DDP (torch)", "FSDP", "FSDP no-reshard", "FSDP + prefetch", "FSDP2 (torch)"]
+CATEGORIES = ["params", "grads", "optim", "unsharded", "activations"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In each rank
+# ---------------------------------------------------------------------------------------------------------
+def worker(ctx: C.RankContext, payload: dict) -> dict:
+    cfg = C.model_config(payload)
+    out = {}
+    for name in payload["strategies"]:
+        ctx.log(f"{name}: measuring one step")
+        gc.collect()
+        cuda = ctx.device.type == "cuda"
+        with LiveStorageTracker(device=ctx.device.type, resize_label="unsharded") as mem, \
+                C.CommMeter(on_buffer=lambda kind, t: mem.relabel(t, "unsharded")):
+            with mem.label("params"):
+                trainer = C.build_trainer(name, cfg, payload["batch"], ctx.device)
+            trainer.step(ctx.rank, mem)  # warm-up: AdamW's state exists from here on
+            mem.relabel(trainer.model, "params")  # the parameters (shards under FSDP) as the step starts
+            mem.relabel(trainer.optimizer, "optim")
+            gc.collect()
+            C.sync(ctx.device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(ctx.device)
+            mem.reset_peak()
+            start = mem.current_bytes
+            after = {}
+            trainer.step(ctx.rank, mem, probe=lambda phase: after.__setitem__(phase, mem.current_bytes))
+            C.sync(ctx.device)
+            result = {
+                "peak_bytes": mem.peak_bytes,
+                "start_bytes": start,
+                "forward_growth_bytes": after["forward"] - start,  # activations (+ unsharded kept) after forward
+                "breakdown_at_peak": mem.peak_breakdown(),
+                "tracker": "LiveStorageTracker",
+            }
+            if cuda:
+                result["peak_bytes_tracker"] = result["peak_bytes"]
+                result["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
+                result["tracker"] = "torch.cuda.max_memory_allocated"
+        del trainer
+        gc.collect()
+        out[name] = result
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The analytic model
+# ---------------------------------------------------------------------------------------------------------
+def analytic(name: str, w: int, cfg, activations: float) -> dict:
+    """Bytes per rank predicted for ``name`` at world size ``w`` (see the module docstring)."""
+    units = C.unit_param_counts(cfg)
+    n_root, n_block, n_blocks = units["root"], units["block"], units["n_blocks"]
+    psi = n_root + n_block * n_blocks
+    family, opt = C.STRATEGIES[name]
+    sharded = family in ("fsdp", "fsdp2")
+    s = (math.ceil(n_root / w) + n_blocks * math.ceil(n_block / w)) if sharded else psi
+    tied = cfg.vocab_size * cfg.n_embd  # the tied embedding/head weight
+    if not sharded:
+        u_p, u_g, u_end = 0, tied, 2 * tied
+    elif opt.get("reshard", True):
+        u_p, u_g, u_end = n_root + n_block * (2 if opt.get("prefetch") else 1), 2 * n_block + tied, 2 * n_root + 2 * tied
+    else:
+        u_p, u_g, u_end = psi, 2 * n_block + tied, psi + n_root + 2 * tied
+    start = 12 * s + activations + 4 * (u_p + u_g)
+    end = 16 * s + 4 * u_end
+    if family == "ddp":  # buckets hold the gradients from construction on
+        start = end = 16 * s + activations + 4 * tied
+    return {"S": s, "psi": psi, "states_bytes": 16 * s, "activations_bytes": activations,
+            "unsharded_params_bytes": 4 * u_p, "unsharded_grads_bytes": 4 * u_g, "end_extra_bytes": 4 * u_end,
+            "at_backward_start": start, "at_backward_end": end, "peak_bytes": max(start, end)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------
+def main(argv=None) -> dict:
+    p = C.base_parser(__doc__)
+    C.world_sizes_arg(p, [1, 2, 4])
+    C.add_model_args(p, params=4e6, layers=8, block_size=32, batch=1)
+    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=list(C.STRATEGIES))
+    args = C.finish_args(p.parse_args(argv))
+    cfg = C.model_config(args)
+    payload = {**C.model_payload(args), "strategies": args.strategies}
+    C.log(f"memory: GPT {C.param_count(cfg) / 1e6:.2f}M params ({cfg}), batch {args.batch}x{args.block_size} "
+          f"per rank, AdamW, W in {args.world_sizes}", quiet=args.quiet)
+
+    # "one process" is one process: it runs at W=1 only; everything else at every W asked for
+    runs: dict[int, list[str]] = {}
+    if "one process" in args.strategies:
+        runs[1] = ["one process"]
+    for w in args.world_sizes:
+        runs.setdefault(w, []).extend(n for n in args.strategies if n != "one process")
+    measured: dict[tuple[int, str], list[dict]] = {}  # (W, strategy) -> every rank's result
+    for w, names in sorted(runs.items()):
+        ranks = C.launch(args, "benchmarks.bench_memory:worker", w, {**payload, "strategies": names})
+        for name in names if ranks is not None else []:
+            measured[(w, name)] = [r[name] for r in ranks]
+    if not C.is_writer():
+        return {}
+
+    one = measured.get((1, "one process"), [None])[0]
+    activations = one["forward_growth_bytes"] if one else 0.0  # without a one-process run the model has no A
+    one_peak = one["peak_bytes"] if one else None
+
+    rows, records = [], []
+    for (w, name), per_rank in measured.items():
+        worst = max(per_rank, key=lambda r: r["peak_bytes"])
+        model = analytic(name, w, cfg, activations)
+        err = worst["peak_bytes"] / model["peak_bytes"] - 1
+        vs_one = worst["peak_bytes"] / one_peak if one_peak else None
+        bd = worst["breakdown_at_peak"]
+        cats = {c: bd.get(c, 0) for c in CATEGORIES}
+        cats["activations"] += sum(v for k, v in bd.items() if k not in CATEGORIES)  # "other": a few bytes
+        rows.append([name, w, worst["peak_bytes"] / C.MiB, model["peak_bytes"] / C.MiB, f"{err:+.1%}",
+                     None if vs_one is None else f"{vs_one:.3f}x"] + [cats[c] / C.MiB for c in CATEGORIES])
+        records.append({"strategy": name, "world_size": w, "peak_bytes": worst["peak_bytes"],
+                        "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank], "model": model,
+                        "model_error": err, "vs_one_process": vs_one, "breakdown_at_peak": cats,
+                        "forward_growth_bytes": worst["forward_growth_bytes"], "tracker": worst["tracker"]})
+
+    md = (f"GPT {C.param_count(cfg) / 1e6:.2f}M params (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
+          f"vocab={cfg.vocab_size}), batch {args.batch}x{args.block_size} tokens per rank, fp32, AdamW; "
+          f"per-rank peak of one step (worst rank), {records[0]['tracker'] if records else ''}.\n"
+          f"Model: max(12·S + A + 4·(U_p + U_g), 16·S + 4·U_end) (see bench_memory.py), S = this rank's parameter count, "
+          f"A = {activations / C.MiB:.2f} MiB (one-process forward).\n\n")
+    md += C.markdown_table(HEADERS, rows)
+    raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": C.environment(),
+           "activations_bytes_one_process": activations, "results": records}
+
+    def plot(path: Path) -> None:
+        import matplotlib.pyplot as plt
+
+        ws = sorted({w for w, _ in measured})
+        fig, axes = plt.subplots(1, len(ws), figsize=(4.2 * len(ws) + 1.5, 4.6), sharey=True, squeeze=False)
+        colors = {"params": "#4C72B0", "grads": "#DD8452", "optim": "#55A868", "unsharded": "#C44E52",
+                  "activations": "#8172B3"}
+        for ax, w in zip(axes[0], ws):
+            recs = [r for r in records if r["world_size"] == w]
+            x = range(len(recs))
+            bottom = [0.0] * len(recs)
+            for c in CATEGORIES:
+                vals = [r["breakdown_at_peak"][c] / C.MiB for r in recs]
+                ax.bar(x, vals, bottom=bottom, color=colors[c], label=c if w == ws[0] else None)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+            ax.scatter(x, [r["model"]["peak_bytes"] / C.MiB for r in recs], marker="_", s=600, color="black",
+                       zorder=3, label="analytic model" if w == ws[0] else None)
+            ax.set_xticks(list(x), [r["strategy"] for r in recs], rotation=35, ha="right", fontsize=8)
+            ax.set_title(f"W = {w}")
+            ax.grid(axis="y", alpha=0.3)
+        axes[0][0].set_ylabel("per-rank peak memory (MiB)")
+        fig.legend(loc="upper right", fontsize=8)
+        fig.suptitle(f"Peak memory of one AdamW step, GPT {C.param_count(cfg) / 1e6:.1f}M params "
+                     f"(bars: measured breakdown at the peak)", fontsize=10)
+        fig.tight_layout(rect=(0, 0, 0.88, 0.95))
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    paths = C.write_outputs(args.out, NAME, raw, md, plot)
+    print(md)
+    C.log(f"wrote {paths['md']}, {paths['json']}, {paths['png']}", quiet=args.quiet)
+    return raw
+
+
+if __name__ == "__main__":
+    main()
