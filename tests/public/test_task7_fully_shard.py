@@ -1,0 +1,256 @@
+"""Task 7: fully_shard end to end (training equivalence with single-process PyTorch and torch's FSDP2, memory
+states, nested units, tied weights, mixed precision, gradient accumulation, meta-device init)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+import adapters
+from fsdp_assignment.support.models import GPT, GPTConfig, TiedModel, ToyMLP, gpt_batch, gpt_loss
+from tests.harness import run_ranks
+from tests.public.common import assert_close, full_params_of, local_batch, train_single_process
+
+pytestmark = pytest.mark.task7
+
+CFG = GPTConfig()
+SGD = dict(lr=0.1, momentum=0.9)
+
+
+def _shard_gpt(model, shard=None, **kwargs):
+    shard = shard or adapters.fully_shard
+    for block in model.blocks:
+        shard(block, **kwargs)
+    shard(model, **kwargs)
+    return model
+
+
+def _train(model, optim, rank, world_size, steps):
+    for step in range(steps):
+        idx, tgt = local_batch(CFG, rank, world_size, step)
+        optim.zero_grad()
+        gpt_loss(model, idx, tgt).backward()
+        optim.step()
+
+
+def _ours_and_fsdp2(rank, world_size, steps):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    results = {}
+    for name, shard in (("ours", adapters.fully_shard), ("fsdp2", torch_fully_shard)):
+        torch.manual_seed(0)
+        model = _shard_gpt(GPT(CFG), shard)
+        optim = torch.optim.SGD(model.parameters(), **SGD)
+        _train(model, optim, rank, world_size, steps)
+        if name == "ours":
+            results[name] = adapters.gather_full_params(model)
+        else:
+            results[name] = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    return results if rank == 0 else None
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_training_matches_single_process_and_torch_fsdp2(backend, world_size):
+    got = run_ranks(_ours_and_fsdp2, world_size, 5, backend=backend, timeout=120)[0]
+    expected = train_single_process(CFG, world_size, 5, torch.optim.SGD, **SGD)
+    for name, p in expected.named_parameters():
+        assert_close(got["ours"][name], p, f"W={world_size} {name} after 5 SGD steps (ours vs single process)")
+        assert_close(got["fsdp2"][name], p, f"W={world_size} {name} after 5 SGD steps (torch FSDP2 vs single process)")
+
+
+def _memory_states(rank, world_size):
+    torch.manual_seed(0)
+    model = _shard_gpt(GPT(CFG))
+    units = adapters.fsdp_units(model)
+    idx, tgt = local_batch(CFG, rank, world_size, 0)
+    loss = gpt_loss(model, idx, tgt)
+    after_forward = {"root": [fp.unsharded.untyped_storage().size() for u in units if u.is_root for fp in u.flat_params],
+                     "others": [fp.unsharded.untyped_storage().size() for u in units if not u.is_root for fp in u.flat_params]}
+    loss.backward()
+    after_backward = {"sizes": [fp.unsharded.untyped_storage().size() for u in units for fp in u.flat_params],
+                      "full_grads": sum(fp.unsharded.grad is not None for u in units for fp in u.flat_params),
+                      "param_names": sorted(n for n, _ in model.named_parameters())}
+    return {"forward": after_forward, "backward": after_backward}
+
+
+def test_units_are_resharded_after_forward_and_backward(backend):
+    for rank, got in enumerate(run_ranks(_memory_states, 2, backend=backend)):
+        assert got["forward"]["others"] and all(s == 0 for s in got["forward"]["others"]), \
+            f"rank {rank}: every non-root unit must be resharded (storage size 0) after forward: {got['forward']['others']}"
+        assert all(s > 0 for s in got["forward"]["root"]), "the root stays unsharded after forward (backward needs it first)"
+        assert all(s == 0 for s in got["backward"]["sizes"]), f"rank {rank}: units unsharded after backward"
+        assert got["backward"]["full_grads"] == 0, f"rank {rank}: full (unsharded) gradients alive after backward"
+        assert all("_fsdp_flat_param" in n for n in got["backward"]["param_names"]), \
+            f"rank {rank}: module.parameters() must yield only the flat shards, got {got['backward']['param_names']}"
+
+
+def _nested_toy(rank, world_size):
+    torch.manual_seed(0)
+    model = ToyMLP(with_unused=True)
+    for block in model.blocks:
+        adapters.fully_shard(block.inner)
+        adapters.fully_shard(block)
+    adapters.fully_shard(model)
+    optim = adapters.get_sharded_optimizer(model, torch.optim.SGD, lr=0.5)
+    x = torch.randn(4 * world_size, 13, generator=torch.Generator().manual_seed(1))[4 * rank:4 * (rank + 1)]
+    for _ in range(2):
+        optim.zero_grad()
+        model(x).pow(2).mean().backward()
+        optim.step()
+    owned = sum(fp.numel for u in adapters.fsdp_units(model) for fp in u.flat_params)
+    return {"params": adapters.gather_full_params(model), "owned": owned}
+
+
+def test_nested_units_own_each_parameter_once(backend):
+    world_size = 3
+    results = run_ranks(_nested_toy, world_size, backend=backend)
+    torch.manual_seed(0)
+    model = ToyMLP(with_unused=True)
+    optim = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    x = torch.randn(4 * world_size, 13, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        optim.zero_grad()
+        model(x).pow(2).mean().backward()
+        optim.step()
+    total = sum(p.numel() for p in model.parameters())
+    for rank, got in enumerate(results):
+        assert got["owned"] == total, f"rank {rank}: units own {got['owned']} elements, the model has {total}: " \
+                                      "a parameter owned by a child unit must not be owned by its parent too"
+        for name, p in model.named_parameters():
+            assert_close(got["params"][name], p, f"rank {rank}: {name} (nested units, frozen and unused parameters)")
+
+
+def _tied(rank, world_size, split_tie):
+    torch.manual_seed(0)
+    model = TiedModel()
+    if split_tie:
+        adapters.fully_shard(model.head)
+        try:
+            adapters.fully_shard(model)
+        except ValueError as e:
+            return str(e)
+        return None
+    for layer in model.layers:
+        adapters.fully_shard(layer)
+    adapters.fully_shard(model)
+    optim = adapters.get_sharded_optimizer(model, torch.optim.SGD, lr=0.5)
+    idx = torch.randint(0, 23, (3 * world_size, 5), generator=torch.Generator().manual_seed(2))[3 * rank:3 * (rank + 1)]
+    optim.zero_grad()
+    model(idx).logsumexp(-1).mean().backward()
+    optim.step()
+    return adapters.gather_full_params(model)
+
+
+def test_tied_weights_are_updated_once(backend):
+    world_size = 2
+    got = run_ranks(_tied, world_size, False, backend=backend)[0]
+    torch.manual_seed(0)
+    model = TiedModel()
+    idx = torch.randint(0, 23, (3 * world_size, 5), generator=torch.Generator().manual_seed(2))
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(idx).logsumexp(-1).mean().backward()
+    optim.step()
+    for name, p in full_params_of(model).items():
+        assert_close(got[name], p, f"{name} (tied weights)")
+
+
+def test_tie_across_sibling_units_is_rejected(backend):
+    message = run_ranks(_tied, 2, True, backend=backend)[0]
+    assert message is not None, "fully_shard must raise ValueError when a parent would flatten a parameter a child unit owns"
+
+
+def _mixed_precision(rank, world_size):
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for name in ("ours", "fsdp2"):
+        torch.manual_seed(0)
+        if name == "ours":
+            model = _shard_gpt(GPT(CFG), mixed_precision=policy)
+        else:
+            model = _shard_gpt(GPT(CFG), torch_fully_shard, mp_policy=policy)
+        seen = []
+        model.blocks[0].mlp.c_fc.register_forward_pre_hook(lambda m, a: seen.append(str(m.weight.dtype)))
+        idx, tgt = local_batch(CFG, rank, world_size, 0)
+        gpt_loss(model, idx, tgt).backward()
+        grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
+        torch.optim.SGD(model.parameters(), lr=1.0).step()  # moves each parameter by exactly its gradient
+        params = adapters.gather_full_params(model) if name == "ours" else \
+            {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+        out[name] = {"compute_dtype": seen[0], "grad_dtypes": grad_dtypes, "params": params}
+    return out
+
+
+def test_mixed_precision_matches_torch_fsdp2(backend):
+    for rank, got in enumerate(run_ranks(_mixed_precision, 2, backend=backend)):
+        assert got["ours"]["compute_dtype"] == "torch.bfloat16", "param_dtype=bf16: forward must see bf16 parameters"
+        assert got["ours"]["grad_dtypes"] == ["torch.float32"], "sharded gradients must be fp32 (the shards' dtype)"
+        for name, p in got["fsdp2"]["params"].items():
+            # One SGD step with lr=1 moves each parameter by its gradient: bf16 compute, fp32 reduction.
+            assert_close(got["ours"]["params"][name], p, f"rank {rank}: {name} after a bf16 step vs FSDP2", rtol=2e-3)
+
+
+def _accumulate(rank, world_size, sync_every_micro_batch):
+    torch.manual_seed(0)
+    model = _shard_gpt(GPT(CFG))
+    calls = []
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(dist, name):
+            real = getattr(dist, name)
+            setattr(dist, name, lambda *a, real=real, **k: (calls.append(1), real(*a, **k))[1])
+    for micro in range(3):
+        last = micro == 2
+        adapters.set_requires_gradient_sync(model, sync_every_micro_batch or last)
+        idx, tgt = local_batch(CFG, rank, world_size, micro)
+        before = len(calls)
+        gpt_loss(model, idx, tgt).backward()
+        if not (sync_every_micro_batch or last):
+            assert len(calls) == before, "a backward without gradient sync must not reduce-scatter"
+    return {"full": _full_grads(model)}
+
+
+def _full_grads(model):
+    """The sharded gradients as full tensors under original names: gather_full_params over the gradients,
+    by swapping each shard's data for its gradient for the duration of the gather."""
+    from fsdp_assignment.support.state import named_flat_params
+    saved = []
+    for _, fp in named_flat_params(model):
+        saved.append(fp.shard.data)
+        fp.shard.data = fp.shard.grad.detach().clone()
+    full = adapters.gather_full_params(model)
+    for (_, fp), data in zip(named_flat_params(model), saved):
+        fp.shard.data = data
+    return full
+
+
+@pytest.mark.parametrize("sync_every_micro_batch", [False, True])
+def test_gradient_accumulation_with_and_without_sync(backend, sync_every_micro_batch):
+    world_size = 2
+    results = run_ranks(_accumulate, world_size, sync_every_micro_batch, backend=backend)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    for micro in range(3):
+        idx, tgt = gpt_batch(CFG, 2 * world_size, seed=micro)
+        gpt_loss(model, idx, tgt).backward()
+    for rank, got in enumerate(results):
+        for name, p in model.named_parameters(remove_duplicate=False):
+            assert_close(got["full"][name], p.grad, f"rank {rank}: {name} gradient summed over 3 micro-batches")
+
+
+def _meta_init(rank, world_size):
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        model = GPT(CFG)
+    _shard_gpt(model)
+    adapters.materialize_meta_module(model, "cpu")
+    optim = adapters.get_sharded_optimizer(model, torch.optim.SGD, **SGD)
+    _train(model, optim, rank, world_size, 2)
+    return adapters.gather_full_params(model)
+
+
+def test_meta_init_then_training_matches_eager(backend):
+    got = run_ranks(_meta_init, 2, backend=backend)[0]
+    expected = train_single_process(CFG, 2, 2, torch.optim.SGD, seed=7, **SGD)
+    for name, p in expected.named_parameters():
+        assert_close(got[name], p, f"{name}: meta init + fully_shard + 2 steps vs eager")
