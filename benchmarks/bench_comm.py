@@ -1,0 +1,249 @@
+"""Communication: all-gather and reduce-scatter time and bandwidth by message size, and the bytes one training
+step really moves, counted, against the ZeRO-3 formulas.
+
+    python benchmarks/bench_comm.py                          # W = 2, 4; 1 KiB .. 64 MiB; about 40 s on 2 cores
+    python benchmarks/bench_comm.py --world-sizes 2 --max-size 4MiB
+    python benchmarks/bench_comm.py --sim-bandwidth 1        # through the simulated 1 GB/s link instead
+    torchrun --nproc-per-node=8 benchmarks/bench_comm.py     # NCCL on a GPU box
+
+Part 1, collectives. For each size (the full, unsharded tensor: the all-gather output, the reduce-scatter input)
+the ranks run ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` back to back after a warm-up; the time
+is the slowest rank's mean. Bandwidths follow nccl-tests:
+
+    algbw = size / time
+    busbw = algbw * (W-1)/W     (each rank sends and receives (W-1)/W of the tensor in a ring; busbw is the
+                                 number to compare with the link's bandwidth, whatever W is)
+
+Part 2, bytes per step. One AdamW step of the benchmark GPT under each strategy, with every collective counted
+by benchmarks.common.CommMeter (bus bytes, as above: payload * (W-1)/W for all-gather and reduce-scatter,
+2 * payload * (W-1)/W for all-reduce). Ψ = parameters x 4 bytes (fp32). The formulas (ZeRO paper, ZeRO-3 =
+FSDP full sharding):
+
+    FSDP, reshard after forward:   3Ψ(W-1)/W   all-gather in forward, again in backward, reduce-scatter grads
+    FSDP, no reshard:              2Ψ(W-1)/W   all-gather once, reduce-scatter grads
+    DDP:                           2Ψ(W-1)/W   all-reduce grads (= reduce-scatter + all-gather)
+
+Counted bytes include each unit's padding to a multiple of W, so they can exceed the formula by a hair.
+
+Output: <out>/comm.json, comm.md (two tables), comm.png.
+
+Table headers (comm.md; the writeup copies them):
+
+| collective | W | interconnect | size | time us | algbw GB/s | busbw GB/s |
+| strategy | W | all-gather MiB | reduce-scatter MiB | all-reduce MiB | total MiB | formula | formula MiB | counted / formula | note |
+
+The note says when a run does not match its formula but matches a known variant: an implementation that keeps the
+root unit (embeddings, tied head) unsharded after forward, as FSDP2 does when reshard_after_forward is left to its
+default, all-gathers the root once, not twice: (3Ψ - Ψ_root)(W-1)/W.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks import common as C  # noqa: E402
+
+NAME = "comm"
+HEADERS_COLL = ["collective", "W", "interconnect", "size", "time us", "algbw GB/s", "busbw GB/s"]
+HEADERS_STEP = ["strategy", "W", "all-gather MiB", "reduce-scatter MiB", "all-reduce MiB", "total MiB", "formula",
+                "formula MiB", "counted / formula", "note"]
+STEP_STRATEGIES = ["FSDP", "FSDP no-reshard", "FSDP2 (torch)", "FSDP2 (torch) no-reshard", "DDP (torch)"]
+FORMULA = {"FSDP": 3, "FSDP no-reshard": 2, "FSDP + prefetch": 3, "FSDP2 (torch)": 3,
+           "FSDP2 (torch) no-reshard": 2, "DDP (torch)": 2}
+
+
+def parse_size(text: str) -> int:
+    units = {"kib": 1024, "kb": 1024, "k": 1024, "mib": 1024 ** 2, "mb": 1024 ** 2, "m": 1024 ** 2, "b": 1}
+    t = text.strip().lower()
+    for u in sorted(units, key=len, reverse=True):
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * units[u])
+    return int(t)
+
+
+def human(n: int) -> str:
+    return f"{n // 1024 ** 2} MiB" if n >= 1024 ** 2 else f"{n // 1024} KiB" if n >= 1024 else f"{n} B"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In each rank
+# ---------------------------------------------------------------------------------------------------------
+def time_collective(kind: str, size: int, ctx: C.RankContext, budget_s: float) -> float:
+    """Mean seconds per collective, the slowest rank's. ``size`` bytes of fp32, a multiple of 4*W."""
+    w = ctx.world_size
+    numel = size // 4
+    full = torch.ones(numel, device=ctx.device)
+    shard = torch.ones(numel // w, device=ctx.device)
+
+    def once():
+        if kind == "all_gather":
+            dist.all_gather_single(full, shard)
+        else:
+            dist.reduce_scatter_single(shard, full)
+
+    once()  # warm-up: first-call set-up (buffers, connections) is not what we measure
+    C.sync(ctx.device)
+    t0 = time.perf_counter()
+    once()
+    C.sync(ctx.device)
+    # every rank must run the same number of iterations: agree on the slowest rank's estimate
+    est = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(est, op=dist.ReduceOp.MAX)
+    iters = int(max(3, min(200, budget_s / max(est.item(), 1e-6))))
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        once()
+    C.sync(ctx.device)
+    mean = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+    return mean.item()
+
+
+def worker(ctx: C.RankContext, payload: dict) -> dict:
+    link = C.SimLink(payload["sim_bandwidth"], payload["sim_latency_us"]) if payload["sim_bandwidth"] else None
+    out = {"collectives": [], "steps": {}}
+    with C.CommMeter(link=link):  # counts nothing we read here; it applies the simulated link when there is one
+        for kind in ("all_gather", "reduce_scatter"):
+            for size in payload["sizes"]:
+                size -= size % (4 * ctx.world_size)
+                t = time_collective(kind, size, ctx, payload["budget_s"])
+                out["collectives"].append({"kind": kind, "size": size, "seconds": t})
+            ctx.log(f"{kind}: {len(payload['sizes'])} sizes done")
+    cfg = C.model_config(payload)
+    for name in payload["strategies"]:
+        with C.CommMeter() as meter:
+            trainer = C.build_trainer(name, cfg, payload["batch"], ctx.device, meter)
+            trainer.step(ctx.rank)  # warm-up (lazy initialization may communicate)
+            meter.reset()
+            trainer.step(ctx.rank)
+            out["steps"][name] = meter.summary()
+        del trainer
+        gc.collect()
+        ctx.log(f"{name}: step bytes counted")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------
+def main(argv=None) -> dict:
+    p = C.base_parser(__doc__)
+    C.world_sizes_arg(p, [2, 4])
+    C.add_model_args(p, params=4e6, layers=8, block_size=32, batch=1)
+    C.add_sim_args(p)
+    p.add_argument("--min-size", default="1KiB")
+    p.add_argument("--max-size", default="64MiB")
+    p.add_argument("--budget", type=float, default=0.15, help="seconds of timed collectives per size (at least 3)")
+    p.add_argument("--strategies", nargs="*", default=STEP_STRATEGIES, choices=list(FORMULA),
+                   help="strategies whose bytes per step are counted (none: skip part 2)")
+    args = C.finish_args(p.parse_args(argv))
+    sizes, s = [], parse_size(args.min_size)
+    while s <= parse_size(args.max_size):
+        sizes.append(s)
+        s *= 4
+    sim_bw = float(args.sim_bandwidth)
+    interconnect = (f"simulated {sim_bw:g} GB/s, {args.sim_latency_us:g} us" if sim_bw
+                    else ("nccl" if args.device == "cuda" else "gloo (real)"))
+    if sim_bw:
+        C.log(C.SimLink(sim_bw, args.sim_latency_us).describe(), quiet=False)
+    cfg = C.model_config(args)
+    psi = C.param_count(cfg)
+    units = C.unit_param_counts(cfg)
+    payload = {**C.model_payload(args), "sizes": sizes, "budget_s": args.budget, "strategies": args.strategies,
+               "sim_bandwidth": sim_bw, "sim_latency_us": args.sim_latency_us}
+    C.log(f"comm: sizes {human(sizes[0])}..{human(sizes[-1])}, W in {args.world_sizes}; bytes per step of GPT "
+          f"{psi / 1e6:.2f}M params", quiet=args.quiet)
+
+    results: dict[int, dict] = {}
+    for w in args.world_sizes:
+        ranks = C.launch(args, "benchmarks.bench_comm:worker", w, payload)
+        if ranks is not None:
+            results[w] = ranks[0]  # times are already the slowest rank's; byte counts are the same on every rank
+    if not C.is_writer():
+        return {}
+
+    coll_rows, coll_records, step_rows, step_records = [], [], [], []
+    for w, res in results.items():
+        for r in res["collectives"]:
+            alg = r["size"] / r["seconds"] / 1e9
+            bus = alg * (w - 1) / w
+            coll_rows.append([r["kind"].replace("_", "-"), w, interconnect, human(r["size"]), r["seconds"] * 1e6, alg, bus])
+            coll_records.append({**r, "world_size": w, "algbw_gbps": alg, "busbw_gbps": bus, "interconnect": interconnect})
+        for name, summary in res["steps"].items():
+            mib = {k: summary.get(k, {}).get("bus_bytes", 0.0) / C.MiB for k in ("all_gather", "reduce_scatter", "all_reduce")}
+            total = sum(mib.values())
+            k = FORMULA[name]
+            formula = k * psi * 4 * (w - 1) / w / C.MiB
+            note = ""
+            root_kept = (k * psi - units["root"]) * 4 * (w - 1) / w / C.MiB
+            if k == 3 and abs(total / formula - 1) > 0.01 and abs(total / root_kept - 1) <= 0.01:
+                note = f"root kept unsharded after forward: counted / (3Ψ-Ψ_root)(W-1)/W = {total / root_kept:.4f}"
+            step_rows.append([name, w, mib["all_gather"], mib["reduce_scatter"], mib["all_reduce"], total,
+                              f"{k}Ψ(W-1)/W", formula, f"{total / formula:.4f}", note])
+            step_records.append({"strategy": name, "world_size": w, "counted": summary, "total_bus_bytes": total * C.MiB,
+                                 "formula": f"{k}*psi*(W-1)/W", "formula_bytes": formula * C.MiB,
+                                 "ratio": total / formula, "psi_params": psi, "note": note})
+
+    md = (f"Collectives: {interconnect}; time = slowest rank's mean; busbw = size/time x (W-1)/W.\n\n"
+          + C.markdown_table(HEADERS_COLL, coll_rows)
+          + f"\nBytes per training step (bus bytes per rank, counted), GPT Ψ = {psi:,} params x 4 B = "
+          f"{psi * 4 / C.MiB:.2f} MiB:\n\n" + C.markdown_table(HEADERS_STEP, step_rows))
+    raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": C.environment(),
+           "interconnect": interconnect, "collectives": coll_records, "bytes_per_step": step_records}
+
+    def plot(path: Path) -> None:
+        import matplotlib.pyplot as plt
+
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [1.15, 1]})
+        for w in results:
+            for kind, style in (("all_gather", "-o"), ("reduce_scatter", "--s")):
+                pts = [r for r in coll_records if r["world_size"] == w and r["kind"] == kind]
+                ax.plot([r["size"] for r in pts], [r["busbw_gbps"] for r in pts], style, ms=4,
+                        label=f"{kind.replace('_', '-')} W={w}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ticks = sorted({r["size"] for r in coll_records})
+        ax.set_xticks(ticks, [human(t).replace(" ", "") for t in ticks], fontsize=8)
+        ax.minorticks_off()
+        ax.set_xlabel("message size (bytes, full tensor)")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_title(f"Collectives, {interconnect}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        labels = [f"{r['strategy']}\nW={r['world_size']}" for r in step_records]
+        x = range(len(step_records))
+        bottom = [0.0] * len(step_records)
+        for key, color in (("all_gather", "#4C72B0"), ("reduce_scatter", "#DD8452"), ("all_reduce", "#55A868")):
+            vals = [r["counted"].get(key, {}).get("bus_bytes", 0.0) / C.MiB for r in step_records]
+            bx.bar(x, vals, bottom=bottom, color=color, label=key.replace("_", "-"))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        bx.scatter(x, [r["formula_bytes"] / C.MiB for r in step_records], marker="_", s=500, color="black",
+                   zorder=3, label="formula kΨ(W-1)/W")
+        top = max([r["formula_bytes"] for r in step_records] + [r["total_bus_bytes"] for r in step_records] + [1.0])
+        bx.set_ylim(0, 1.12 * top / C.MiB)
+        bx.set_xticks(list(x), labels, rotation=40, ha="right", fontsize=7)
+        bx.set_ylabel("bus MiB per rank per step")
+        bx.set_title("Bytes per training step: counted vs formula", fontsize=10)
+        bx.legend(fontsize=8)
+        bx.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    paths = C.write_outputs(args.out, NAME, raw, md, plot)
+    print(md)
+    C.log(f"wrote {paths['md']}, {paths['json']}, {paths['png']}", quiet=args.quiet)
+    return raw
+
+
+if __name__ == "__main__":
+    main()
