@@ -24,13 +24,14 @@ The protocol, step by step:
 3. A rank redirects its stdout and stderr (file descriptors 1 and 2, so C++ output too) to a per-rank file,
    registers faulthandler for SIGUSR1 (stacks of every thread, to a per-rank file) and for fatal signals, sets
    the parent's environment plus FSDP_RANK_PROCESS=1 and one thread, joins the default process group through a
-   FileStore in a fresh temporary directory (never a TCP port) with a short collective timeout, and applies the
-   memory limit, if any.
-4. Positive signal: the parent draws a random nonce per run. After the body returns, the rank destroys the
-   process group and sends (nonce, result) over a pipe, serialized with torch.save; the parent reads it with
-   torch.load(weights_only=True), which builds tensors and plain containers and refuses anything else, so a rank
-   cannot make the parent run code. A rank passes only if that message arrives. Exiting, with code 0 or not,
-   sys.exit, a signal, a hang: all are failures (RankFailure), named by rank.
+   FileStore in a fresh temporary directory (never a TCP port) with a short collective timeout, waits at a
+   barrier for every rank, and applies the memory limit, if any.
+4. Positive signal: the parent draws a random nonce per run. After the body returns, the rank meets the others
+   at a closing barrier, destroys the process group and sends (nonce, result) over a pipe, serialized with
+   torch.save; the parent reads it with torch.load(weights_only=True), which builds tensors and plain
+   containers and refuses anything else, so a rank cannot make the parent run code. A rank passes only if that
+   message arrives. Exiting, with code 0 or not, sys.exit, a signal, a hang: all are failures (RankFailure),
+   named by rank.
 5. A rank that raises sends its traceback instead. The parent gives the other ranks a moment to report their
    own errors, then kills them all (they would otherwise wait out their collective timeout), and raises
    RankFailure with the first traceback, a line for each other rank, and the tail of the failing rank's output.
