@@ -19,7 +19,7 @@ all-gather in flight is always waited on before its buffer is used or freed.
 from __future__ import annotations
 
 import torch.nn as nn
-from .support.state import FSDPUnit, ShardedState, fsdp_units, init_shared_state
+from .support.state import FSDPUnit, ShardedState, fsdp_units
 from .task3_forward import unshard
 
 

@@ -54,6 +54,13 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     raise NotImplementedError("Task 7: implement fully_shard() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
 
+def lazy_init(root: FSDPUnit) -> None:
+    """At the root's first forward (or ``set_prefetch``): share one state among all units of the tree and
+    register their post-backward hooks. The hooks wait until now because ``materialize_meta_module`` may
+    have replaced the unsharded tensors they are registered on since ``fully_shard`` ran."""
+    raise NotImplementedError("Task 7: implement lazy_init() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
+
+
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
     """With False, backward keeps accumulating full (unsharded) gradients and skips the reduce-scatter,
     for gradient accumulation over micro-batches; the next backward with True reduces the sum."""

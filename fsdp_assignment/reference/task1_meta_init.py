@@ -24,12 +24,14 @@ import torch.nn as nn
 
 
 def _materialize_flat_param(flat_param, device: torch.device) -> None:
-    # ``.data`` swaps keep the tensor objects: the module's registered shard Parameter and the unsharded
-    # buffer with its post-accumulate-grad hook (Task 4) stay the same objects.
-    flat_param.shard.data = torch.zeros(flat_param.shard_numel, dtype=flat_param.shard.dtype, device=device)
+    # swap_tensors keeps the Python objects (the shard is registered on its module, and may already be in an
+    # optimizer) while replacing what they hold: a meta tensor cannot simply take real data via ``.data``.
+    shard = nn.Parameter(torch.zeros(flat_param.shard_numel, dtype=flat_param.shard.dtype, device=device),
+                         requires_grad=flat_param.shard.requires_grad)
+    torch.utils.swap_tensors(flat_param.shard, shard)
     unsharded = torch.empty(flat_param.padded_numel, dtype=flat_param.unsharded.dtype, device=device)
     unsharded.untyped_storage().resize_(0)
-    flat_param.unsharded.data = unsharded
+    torch.utils.swap_tensors(flat_param.unsharded, unsharded.requires_grad_(flat_param.unsharded.requires_grad))
     flat_param.device = device
 
 

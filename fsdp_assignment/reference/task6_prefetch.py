@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..support.state import FSDPUnit, ShardedState, fsdp_units, init_shared_state
+from ..support.state import FSDPUnit, ShardedState, fsdp_units
 from .task3_forward import unshard
 
 
@@ -27,8 +27,10 @@ def set_prefetch(module: nn.Module, enabled: bool) -> None:
     units = fsdp_units(module)
     if not units or units[0].module is not module:
         raise ValueError("set_prefetch: call it on the root module, after fully_shard(root)")
-    shared = units[0].shared or init_shared_state(units[0])
-    shared.prefetch = enabled
+    if units[0].shared is None:
+        from .task7_fully_shard import lazy_init
+        lazy_init(units[0])
+    units[0].shared.prefetch = enabled
 
 
 def record_forward_order(unit: FSDPUnit) -> None:

@@ -104,14 +104,22 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     # Registered first, so it runs before Task 3's pre-forward hook.
     module.register_forward_pre_hook(_lazy_init_hook)
     register_forward_hooks(unit)
-    register_post_backward_hooks(unit)
     return module
 
 
 def _lazy_init_hook(module: nn.Module, args) -> None:
     # The first unit to run forward is the root of every unit below it (FSDP2's lazy init).
     if module._fsdp_unit.shared is None:
-        init_shared_state(module._fsdp_unit)
+        lazy_init(module._fsdp_unit)
+
+
+def lazy_init(root: FSDPUnit) -> None:
+    """At the root's first forward (or ``set_prefetch``): share one state among all units of the tree and
+    register their post-backward hooks. The hooks wait until now because ``materialize_meta_module`` may
+    have replaced the unsharded tensors they are registered on since ``fully_shard`` ran."""
+    init_shared_state(root)
+    for unit in root.shared.units:
+        register_post_backward_hooks(unit)
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
