@@ -1,0 +1,265 @@
+"""Step time: one process vs FSDP without and with prefetching vs torch's FSDP2 vs torch's DDP, with the exposed
+(not overlapped) communication read from a torch.profiler trace, and the FSDP / FSDP2 ratios measured alternating.
+
+    python benchmarks/bench_step.py                          # W = 2 on CPU, real gloo, then the simulated link
+    python benchmarks/bench_step.py --sim-bandwidth 0        # real gloo only
+    python benchmarks/bench_step.py --sim-bandwidth 0.5 --sim-latency-us 20
+    torchrun --nproc-per-node=8 benchmarks/bench_step.py --sim-bandwidth 0   # NCCL on a GPU box
+
+How it measures. One launch of W ranks builds every strategy's model (same GPT, same seed), warms each up, then
+runs ``--rounds`` rounds; in each round every strategy runs ``--steps`` steps, in an order that rotates from
+round to round, so slow drift of the machine (other processes, thermal) hits all strategies alike. A strategy's
+time in a round is the median of its steps (each step starts at a barrier); its step time is the median over
+rounds. A ratio (FSDP / FSDP2, prefetch / no prefetch) is computed round by round and its median reported, as the
+issue asks: "the median of alternated runs". "one process" runs in its own launch with W=1: it is the time of
+the same per-rank batch with no communication at all.
+
+Exposed communication: after the rounds, each strategy runs 2 more steps under torch.profiler; the fraction is
+the time the training thread was blocked on communication (inside a synchronous collective or waiting for an
+asynchronous one; for DDP, idle inside backward while its reducer waits) over the step time. See
+benchmarks.common.exposed_comm.
+
+Simulated interconnect (CPU): gloo over loopback on a busy CPU is neither a network nor a GPU interconnect, and
+its transfers take CPU time away from compute, so prefetching can hardly overlap anything. With
+``--sim-bandwidth`` every collective also waits (sleeping, CPU left to compute) until a simulated link of that
+bandwidth and latency would have delivered it (benchmarks.common.SimLink). ``auto`` (the default) sets the
+bandwidth so that communication about equals compute: bus bytes of one FSDP step / compute time of one step of the
+same per-rank batch without communication, both measured in the same launch. The table says which interconnect
+each row used, and the log says SIMULATED INTERCONNECT ON.
+
+Memory ratio: FSDP's and FSDP2's per-rank peak of one step (LiveStorageTracker), measured alternately too.
+
+Output: <out>/step.json, step.md (two tables), step.png.
+
+Table headers (step.md; the writeup copies them):
+
+| strategy | W | interconnect | step ms | vs one process | exposed comm | tokens/s |
+| comparison | W | interconnect | ratio (median) | min | max | rounds |
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks import common as C  # noqa: E402
+from fsdp_assignment.support.memory import LiveStorageTracker  # noqa: E402
+
+NAME = "step"
+HEADERS = ["strategy", "W", "interconnect", "step ms", "vs one process", "exposed comm", "tokens/s"]
+HEADERS_RATIO = ["comparison", "W", "interconnect", "ratio (median)", "min", "max", "rounds"]
+STRATEGIES = ["FSDP", "FSDP + prefetch", "FSDP2 (torch)", "DDP (torch)"]
+# (label, numerator, denominator, what)
+RATIOS = [("FSDP / FSDP2 step time", "FSDP", "FSDP2 (torch)", "time"),
+          ("FSDP + prefetch / FSDP2 step time", "FSDP + prefetch", "FSDP2 (torch)", "time"),
+          ("FSDP + prefetch / FSDP step time", "FSDP + prefetch", "FSDP", "time"),
+          ("FSDP / FSDP2 peak memory", "FSDP", "FSDP2 (torch)", "memory")]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In each rank
+# ---------------------------------------------------------------------------------------------------------
+def run_rounds(trainers: dict, ctx: C.RankContext, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Per strategy, one time per round (median of ``steps`` steps); the order rotates every round."""
+    names = list(trainers)
+    per_round: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            per_round[name].append(C.median(C.timed_steps(trainers[name], ctx.rank, steps)))
+        ctx.log(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {per_round[n][-1] * 1e3:.0f} ms" for n in names))
+    return per_round
+
+
+def peak_of_one_step(trainer: C.Trainer, rank: int, device: torch.device) -> int:
+    gc.collect()
+    with LiveStorageTracker(device=device.type, resize_label="unsharded") as mem:
+        mem.track(trainer.model, "params")  # they exist already: count them from the start
+        mem.track(trainer.optimizer, "optim")
+        mem.reset_peak()
+        trainer.step(rank, mem)
+        return mem.peak_bytes
+
+
+def worker(ctx: C.RankContext, payload: dict) -> dict:
+    cfg = C.model_config(payload)
+    names = payload["strategies"]
+    out: dict = {"phases": []}
+    with C.CommMeter() as meter:
+        if names == ["one process"]:  # the W=1 baseline: time only
+            trainer = C.build_trainer("one process", cfg, payload["batch"], ctx.device, meter)
+            C.timed_steps(trainer, ctx.rank, 2)
+            times = run_rounds({"one process": trainer}, ctx, payload["rounds"], payload["steps"])
+            out["phases"].append({"interconnect": payload["real_name"], "times": times, "exposed": {}})
+            return out
+
+        trainers = {n: C.build_trainer(n, cfg, payload["batch"], ctx.device, meter) for n in names}
+        bus_per_step = {}
+        for n, t in trainers.items():  # warm-up (lazy init, first-call allocations); count one step's bytes
+            t.step(ctx.rank)
+            meter.reset()
+            t.step(ctx.rank)
+            bus_per_step[n] = sum(s["bus_bytes"] for s in meter.summary().values())
+        out["bus_bytes_per_step"] = bus_per_step
+
+        phases = [(payload["real_name"], None)]
+        if payload["sim_bandwidth"] == "auto":
+            # compute time of one step with no communication, measured here under the same CPU contention
+            local = C.build_trainer("one process", cfg, payload["batch"], ctx.device)
+            C.timed_steps(local, ctx.rank, 2)
+            compute = torch.tensor([C.median(C.timed_steps(local, ctx.rank, 5))], dtype=torch.float64)
+            dist.all_reduce(compute)
+            compute = compute.item() / ctx.world_size
+            del local
+            fsdp_bytes = bus_per_step.get("FSDP", max(bus_per_step.values()))
+            bandwidth = fsdp_bytes / compute / 1e9
+            out["calibration"] = {"compute_s": compute, "fsdp_bus_bytes": fsdp_bytes, "bandwidth_gbps": bandwidth}
+            phases.append(("sim", C.SimLink(bandwidth, payload["sim_latency_us"])))
+        elif float(payload["sim_bandwidth"]) > 0:
+            phases.append(("sim", C.SimLink(float(payload["sim_bandwidth"]), payload["sim_latency_us"])))
+
+        for label, link in phases:
+            meter.link = link
+            if link is not None:
+                label = f"simulated {link.bandwidth / 1e9:.3g} GB/s"
+                ctx.log(link.describe())
+            times = run_rounds(trainers, ctx, payload["rounds"], payload["steps"])
+            exposed = {n: C.exposed_comm(t, ctx.rank) for n, t in trainers.items()}
+            out["phases"].append({"interconnect": label, "times": times, "exposed": exposed})
+        meter.link = None
+
+        # FSDP vs FSDP2 peak memory, alternately
+        mem_names = [n for n in ("FSDP", "FSDP2 (torch)") if n in trainers]
+        out["peak_bytes"] = {n: [] for n in mem_names}
+        for _ in range(payload["memory_rounds"]):
+            for n in mem_names:
+                out["peak_bytes"][n].append(peak_of_one_step(trainers[n], ctx.rank, ctx.device))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------
+def main(argv=None) -> dict:
+    p = C.base_parser(__doc__)
+    C.world_sizes_arg(p, [2])
+    C.add_model_args(p, params=4e6, layers=8, block_size=32, batch=8)
+    C.add_sim_args(p, default_bw="auto")
+    p.add_argument("--rounds", type=int, default=5, help="alternated rounds")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per strategy per round")
+    p.add_argument("--memory-rounds", type=int, default=2, help="alternated peak-memory measurements")
+    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=[s for s in C.STRATEGIES if s != "one process"])
+    p.add_argument("--no-one-process", action="store_true", help="skip the W=1 baseline launch")
+    args = C.finish_args(p.parse_args(argv))
+    cfg = C.model_config(args)
+    real_name = "nccl" if args.device == "cuda" else "gloo (real)"
+    payload = {**C.model_payload(args), "strategies": args.strategies, "rounds": args.rounds, "steps": args.steps,
+               "memory_rounds": args.memory_rounds, "sim_bandwidth": args.sim_bandwidth,
+               "sim_latency_us": args.sim_latency_us, "real_name": real_name}
+    C.log(f"step: GPT {C.param_count(cfg) / 1e6:.2f}M params, batch {args.batch}x{args.block_size} per rank, "
+          f"W in {args.world_sizes}, {args.rounds} rounds x {args.steps} steps", quiet=args.quiet)
+    if args.sim_bandwidth != "0":
+        C.log(f"SIMULATED INTERCONNECT ON for the second pass (--sim-bandwidth {args.sim_bandwidth}, "
+              f"{args.sim_latency_us:g} us latency); the first pass is {real_name}", quiet=False)
+
+    one = None
+    if not args.no_one_process:
+        ranks = C.launch(args, "benchmarks.bench_step:worker", 1, {**payload, "strategies": ["one process"]})
+        if ranks is not None:
+            one = C.median(ranks[0]["phases"][0]["times"]["one process"])
+    results = {}
+    for w in args.world_sizes:
+        ranks = C.launch(args, "benchmarks.bench_step:worker", w, payload)
+        if ranks is not None:
+            results[w] = ranks
+    if not C.is_writer():
+        return {}
+
+    tokens = args.batch * args.block_size
+    rows, ratio_rows, records, ratio_records = [], [], [], []
+    if one is not None:
+        rows.append(["one process", 1, "none", one * 1e3, "1.00x", "0%", tokens / one])
+        records.append({"strategy": "one process", "world_size": 1, "interconnect": "none", "step_s": one})
+    for w, ranks in results.items():
+        r0 = ranks[0]  # every rank passed the same barriers: rank 0's times are the step times
+        for phase in r0["phases"]:
+            ic = phase["interconnect"]
+            for name, per_round in phase["times"].items():
+                step = C.median(per_round)
+                # the exposed fraction: the worst rank's (the one that waited most)
+                fracs = [rk["phases"][r0["phases"].index(phase)]["exposed"][name]["exposed_comm_fraction"] for rk in ranks]
+                rows.append([name, w, ic, step * 1e3, f"{step / one:.2f}x" if one else None, f"{max(fracs):.0%}",
+                             w * tokens / step])
+                records.append({"strategy": name, "world_size": w, "interconnect": ic, "step_s": step,
+                                "per_round_s": per_round, "exposed": [rk["phases"][r0["phases"].index(phase)]["exposed"][name] for rk in ranks],
+                                "vs_one_process": step / one if one else None,
+                                "bus_bytes_per_step": r0.get("bus_bytes_per_step", {}).get(name)})
+            for label, num, den, what in RATIOS:
+                if what != "time" or num not in phase["times"] or den not in phase["times"]:
+                    continue
+                rs = [a / b for a, b in zip(phase["times"][num], phase["times"][den])]
+                ratio_rows.append([label, w, ic, C.median(rs), min(rs), max(rs), len(rs)])
+                ratio_records.append({"comparison": label, "world_size": w, "interconnect": ic, "median": C.median(rs),
+                                      "per_round": rs})
+        for label, num, den, what in RATIOS:
+            if what == "memory" and num in r0.get("peak_bytes", {}) and den in r0["peak_bytes"]:
+                # the worst rank's peak, per alternated measurement
+                nums = [max(rk["peak_bytes"][num][i] for rk in ranks) for i in range(len(r0["peak_bytes"][num]))]
+                dens = [max(rk["peak_bytes"][den][i] for rk in ranks) for i in range(len(r0["peak_bytes"][den]))]
+                rs = [a / b for a, b in zip(nums, dens)]
+                ratio_rows.append([label, w, "-", C.median(rs), min(rs), max(rs), len(rs)])
+                ratio_records.append({"comparison": label, "world_size": w, "median": C.median(rs), "per_round": rs,
+                                      "peak_bytes": {num: nums, den: dens}})
+
+    calib = {w: rk[0].get("calibration") for w, rk in results.items() if rk[0].get("calibration")}
+    md = (f"GPT {C.param_count(cfg) / 1e6:.2f}M params (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}), batch "
+          f"{args.batch}x{args.block_size} tokens per rank, fp32, AdamW, {args.threads} thread(s) per rank; "
+          f"step = median over {args.rounds} alternated rounds of the median of {args.steps} steps.\n")
+    for w, c in calib.items():
+        md += (f"Simulated interconnect (W={w}): {c['bandwidth_gbps']:.3g} GB/s = FSDP bus bytes per step "
+               f"{c['fsdp_bus_bytes'] / C.MiB:.1f} MiB / compute per step {c['compute_s'] * 1e3:.0f} ms, "
+               f"{args.sim_latency_us:g} us latency.\n")
+    md += "\n" + C.markdown_table(HEADERS, rows) + "\n" + C.markdown_table(HEADERS_RATIO, ratio_rows)
+    raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": C.environment(),
+           "one_process_step_s": one, "calibration": calib, "results": records, "ratios": ratio_records}
+
+    def plot(path: Path) -> None:
+        import matplotlib.pyplot as plt
+
+        ics = list(dict.fromkeys(r["interconnect"] for r in records if r["world_size"] > 1))
+        fig, axes = plt.subplots(1, max(1, len(ics)), figsize=(5.5 * max(1, len(ics)), 4.8),
+                                 squeeze=False, sharey=True)
+        for ax, ic in zip(axes[0], ics):
+            recs = [r for r in records if r["interconnect"] == ic]
+            x = range(len(recs))
+            total = [r["step_s"] * 1e3 for r in recs]
+            exposed = [r["step_s"] * 1e3 * max(e["exposed_comm_fraction"] for e in r["exposed"]) for r in recs]
+            ax.bar(x, [t - e for t, e in zip(total, exposed)], color="#4C72B0", label="compute + overlapped comm")
+            ax.bar(x, exposed, bottom=[t - e for t, e in zip(total, exposed)], color="#C44E52", label="exposed comm")
+            if one is not None:
+                ax.axhline(one * 1e3, color="black", ls="--", lw=1, label="one process (W=1)")
+            ax.set_xticks(list(x), [f"{r['strategy']}\nW={r['world_size']}" for r in recs], fontsize=8)
+            ax.set_ylabel("step time (ms)")
+            ax.set_title(ic, fontsize=10)
+            ax.grid(axis="y", alpha=0.3)
+        axes[0][0].legend(fontsize=8, loc="lower left", framealpha=0.9)
+        fig.suptitle(f"Step time, GPT {C.param_count(cfg) / 1e6:.1f}M params, batch {args.batch}x{args.block_size} "
+                     "per rank (median of alternated rounds)", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    paths = C.write_outputs(args.out, NAME, raw, md, plot)
+    print(md)
+    C.log(f"wrote {paths['md']}, {paths['json']}, {paths['png']}", quiet=args.quiet)
+    return raw
+
+
+if __name__ == "__main__":
+    main()
