@@ -268,7 +268,7 @@ def _decode_message(data: bytes) -> dict | None:
     """A rank's message, or None when it is not one. weights_only=True: tensors and plain containers only,
     so a hostile pickle cannot run code here."""
     try:
-        message = torch.load(io.BytesIO(data), weights_only=True)
+        message = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception:
         return None
     return message if isinstance(message, dict) else None

@@ -27,6 +27,13 @@ FLAT_PARAM_NAMES = ("_fsdp_flat_param", "_fsdp_flat_param_frozen")
 
 
 # ---- rank-side --------------------------------------------------------------------------------------------
+def rank_device() -> torch.device:
+    """Where this rank computes: its GPU under NCCL, the CPU under gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def hand_shard(root: nn.Module, unit_modules: list[nn.Module], *, reshard_after_forward: bool = True,
                backward: bool = True):
     """Make each of ``unit_modules`` (children before parents, ``root`` last) an FSDP unit by hand.
@@ -66,17 +73,19 @@ def describe_flat_params(module: nn.Module, *, grads: bool = False) -> list[dict
     for prefix, fp in named_flat_params(module):
         d = {"prefix": prefix, "param_names": list(fp.param_names), "numel": int(fp.numel),
              "padded_numel": int(fp.padded_numel), "shard_numel": int(fp.shard_numel),
-             "shard_offset": int(fp.shard_offset), "shard": fp.shard.detach().clone(),
+             "shard_offset": int(fp.shard_offset), "shard": fp.shard.detach().cpu().clone(),
              "requires_grad": bool(fp.shard.requires_grad)}
         if grads:
-            d["grad"] = None if fp.shard.grad is None else fp.shard.grad.detach().clone()
+            d["grad"] = None if fp.shard.grad is None else fp.shard.grad.detach().cpu().clone()
         out.append(d)
     return out
 
 
-def local_batch(cfg: GPTConfig, rank: int, world_size: int, step: int, per_rank: int = 2):
+def local_batch(cfg: GPTConfig, rank: int, world_size: int, step: int, per_rank: int = 2, device="cpu"):
+    """This rank's slice of the global batch of ``step`` (the single-process run sees all of it)."""
     idx, tgt = gpt_batch(cfg, per_rank * world_size, seed=step)
-    return idx[rank * per_rank:(rank + 1) * per_rank], tgt[rank * per_rank:(rank + 1) * per_rank]
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    return idx[rows].to(device), tgt[rows].to(device)
 
 
 def unsharded_storage_sizes(module: nn.Module, *, include_root: bool = True) -> list[int]:

@@ -9,24 +9,24 @@ import torch.distributed as dist
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, ToyMLP
 from tests.harness import run_ranks
-from tests.public.common import assert_close, hand_shard_gpt, local_batch, unsharded_storage_sizes
+from tests.public.common import assert_close, hand_shard_gpt, local_batch, rank_device, unsharded_storage_sizes
 
 pytestmark = pytest.mark.task3
 
 
 def _unshard(rank, world_size):
     torch.manual_seed(0)
-    block = ToyMLP().blocks[0]
+    block = ToyMLP().blocks[0].to(rank_device())
     names = [n for n, p in block.named_parameters() if p.requires_grad]
     fp = adapters.make_flat_param(block, names, rank, world_size)
     adapters.unshard(fp)
-    gathered = fp.unsharded.detach()[:fp.numel].clone()
+    gathered = fp.unsharded.detach()[:fp.numel].clone().cpu()
     sizes = [fp.unsharded.untyped_storage().size()]
     adapters.reshard(fp)
     sizes.append(fp.unsharded.untyped_storage().size())
     work = adapters.unshard(fp, async_op=True)
     work.wait()
-    gathered_async = fp.unsharded.detach()[:fp.numel].clone()
+    gathered_async = fp.unsharded.detach()[:fp.numel].clone().cpu()
     adapters.reshard(fp)
     return {"gathered": gathered, "gathered_async": gathered_async, "sizes": sizes,
             "itemsize": fp.unsharded.element_size(), "padded_numel": fp.padded_numel}
@@ -59,8 +59,8 @@ def _forward(rank, world_size, reshard_after_forward):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_forward_matches_single_process(backend, world_size, reshard_after_forward):
-    results = run_ranks(_forward, world_size, reshard_after_forward, backend=backend)
+def test_forward_matches_single_process(world_size, reshard_after_forward):
+    results = run_ranks(_forward, world_size, reshard_after_forward)
     cfg = GPTConfig()
     torch.manual_seed(0)
     model = GPT(cfg)

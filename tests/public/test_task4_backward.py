@@ -10,7 +10,7 @@ import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, ToyMLP, gpt_batch, gpt_loss
 from tests.harness import run_ranks
 from tests.public.common import (assert_close, describe_flat_params, expected_shard, hand_shard,
-                                 hand_shard_gpt, local_batch, unsharded_storage_sizes)
+                                 hand_shard_gpt, local_batch, rank_device, unsharded_storage_sizes)
 
 pytestmark = pytest.mark.task4
 
@@ -18,9 +18,9 @@ pytestmark = pytest.mark.task4
 def _gpt_backward(rank, world_size, reshard_after_forward):
     cfg = GPTConfig()
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(rank_device())
     hand_shard_gpt(model, reshard_after_forward=reshard_after_forward)
-    idx, tgt = local_batch(cfg, rank, world_size, step=0)
+    idx, tgt = local_batch(cfg, rank, world_size, step=0, device=rank_device())
     gpt_loss(model, idx, tgt).backward()
     full_grads_alive = [u.module.__class__.__name__ for u in adapters.fsdp_units(model)
                         for fp in u.flat_params if fp.unsharded.grad is not None]
@@ -60,8 +60,8 @@ def test_gradient_shards_match_single_process(backend, world_size):
     _check_grad_shards(results, _single_process_grads(model, gpt_loss(model, idx, tgt)))
 
 
-def test_gradients_without_reshard_after_forward(backend):
-    results = run_ranks(_gpt_backward, 2, False, backend=backend)
+def test_gradients_without_reshard_after_forward():
+    results = run_ranks(_gpt_backward, 2, False)
     cfg = GPTConfig()
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -80,9 +80,9 @@ def _toy_backward(rank, world_size):
             "full_grads_alive": []}
 
 
-def test_nested_frozen_and_unused_parameters(backend):
+def test_nested_frozen_and_unused_parameters():
     world_size = 3
-    results = run_ranks(_toy_backward, world_size, backend=backend, timeout=30)
+    results = run_ranks(_toy_backward, world_size, timeout=30)
     torch.manual_seed(0)
     model = ToyMLP(with_unused=True)
     x = torch.randn(4 * world_size, 13, generator=torch.Generator().manual_seed(1))
@@ -98,9 +98,9 @@ def _reduce_scatter(rank, world_size):
             "shard_numel": fp.shard_numel, "padded_numel": fp.padded_numel}
 
 
-def test_reduce_scatter_averages_over_ranks(backend):
+def test_reduce_scatter_averages_over_ranks():
     world_size = 3
-    results = run_ranks(_reduce_scatter, world_size, backend=backend)
+    results = run_ranks(_reduce_scatter, world_size)
     mean_factor = sum(r + 1 for r in range(world_size)) / world_size
     for rank, got in enumerate(results):
         full = torch.arange(got["padded_numel"], dtype=torch.float32) * mean_factor

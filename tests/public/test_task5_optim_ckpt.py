@@ -46,8 +46,8 @@ def _optimizer_state(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_optimizer_state_is_sharded_and_one_adamw_step_matches(backend, world_size):
-    results = run_ranks(_optimizer_state, world_size, backend=backend)
+def test_optimizer_state_is_sharded_and_one_adamw_step_matches(world_size):
+    results = run_ranks(_optimizer_state, world_size)
     expected = train_single_process(CFG, world_size, 1, torch.optim.AdamW, lr=1e-2, eps=ADAM_EPS)
     trainable = sum(p.numel() for p in expected.parameters() if p.requires_grad)
     for rank, got in enumerate(results):
@@ -68,9 +68,9 @@ def _clip(rank, world_size, max_norm):
     return {"norm": norm.detach().clone(), "flat": describe_flat_params(model, grads=True)}
 
 
-def test_clip_grad_norm_uses_the_global_norm(backend):
+def test_clip_grad_norm_uses_the_global_norm():
     world_size, max_norm = 3, 0.05
-    results = run_ranks(_clip, world_size, max_norm, backend=backend)
+    results = run_ranks(_clip, world_size, max_norm)
     torch.manual_seed(0)
     model = GPT(CFG)
     idx, tgt = gpt_batch(CFG, 2 * world_size, seed=0)
@@ -120,8 +120,8 @@ def _named(model):
     return list(named_flat_params(model))
 
 
-def test_resume_from_full_and_sharded_checkpoints_equals_no_interruption(backend):
-    results = run_ranks(_checkpoint, 2, backend=backend, timeout=90)
+def test_resume_from_full_and_sharded_checkpoints_equals_no_interruption():
+    results = run_ranks(_checkpoint, 2, timeout=90)
     for rank, got in enumerate(results):
         for kind in ("full", "sharded"):
             for a, b in zip(got["uninterrupted"], got["resumed"][kind]):

@@ -36,8 +36,8 @@ def _bitwise(rank, world_size):
     return {p: [prm.detach().clone() for prm in _train(rank, world_size, p).parameters()] for p in (False, True)}
 
 
-def test_prefetch_changes_no_number(backend):
-    for rank, got in enumerate(run_ranks(_bitwise, 2, backend=backend)):
+def test_prefetch_changes_no_number():
+    for rank, got in enumerate(run_ranks(_bitwise, 2)):
         for off, on in zip(got[False], got[True]):
             assert torch.equal(off, on), f"rank {rank}: parameters after 3 steps differ with prefetching on vs off"
 
@@ -94,9 +94,9 @@ def _trace(rank, world_size):
     return {"events": events, "max_unsharded": max(unsharded_counts)}
 
 
-def test_prefetch_order_and_at_most_two_units_unsharded(backend):
+def test_prefetch_order_and_at_most_two_units_unsharded():
     n = CFG.n_layer
-    for rank, got in enumerate(run_ranks(_trace, 2, backend=backend)):
+    for rank, got in enumerate(run_ranks(_trace, 2)):
         events = got["events"]
         split = events.index(("backward", None, None))
         fwd, bwd = events[:split], events[split + 1:]

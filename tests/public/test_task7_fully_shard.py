@@ -11,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, TiedModel, ToyMLP, gpt_batch, gpt_loss
 from tests.harness import run_ranks
-from tests.public.common import assert_close, full_params_of, local_batch, train_single_process
+from tests.public.common import assert_close, full_params_of, local_batch, rank_device, train_single_process
 
 pytestmark = pytest.mark.task7
 
@@ -27,9 +27,9 @@ def _shard_gpt(model, shard=None, **kwargs):
     return model
 
 
-def _train(model, optim, rank, world_size, steps):
+def _train(model, optim, rank, world_size, steps, device="cpu"):
     for step in range(steps):
-        idx, tgt = local_batch(CFG, rank, world_size, step)
+        idx, tgt = local_batch(CFG, rank, world_size, step, device=device)
         optim.zero_grad()
         gpt_loss(model, idx, tgt).backward()
         optim.step()
@@ -37,16 +37,16 @@ def _train(model, optim, rank, world_size, steps):
 
 def _ours_and_fsdp2(rank, world_size, steps):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
-    results = {}
+    results, device = {}, rank_device()
     for name, shard in (("ours", adapters.fully_shard), ("fsdp2", torch_fully_shard)):
         torch.manual_seed(0)
-        model = _shard_gpt(GPT(CFG), shard)
+        model = _shard_gpt(GPT(CFG).to(device), shard)
         optim = torch.optim.SGD(model.parameters(), **SGD)
-        _train(model, optim, rank, world_size, steps)
+        _train(model, optim, rank, world_size, steps, device)
         if name == "ours":
-            results[name] = adapters.gather_full_params(model)
+            results[name] = {n: t.cpu() for n, t in adapters.gather_full_params(model).items()}
         else:
-            results[name] = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+            results[name] = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
     return results if rank == 0 else None
 
 
@@ -74,8 +74,8 @@ def _memory_states(rank, world_size):
     return {"forward": after_forward, "backward": after_backward}
 
 
-def test_units_are_resharded_after_forward_and_backward(backend):
-    for rank, got in enumerate(run_ranks(_memory_states, 2, backend=backend)):
+def test_units_are_resharded_after_forward_and_backward():
+    for rank, got in enumerate(run_ranks(_memory_states, 2)):
         assert got["forward"]["others"] and all(s == 0 for s in got["forward"]["others"]), \
             f"rank {rank}: every non-root unit must be resharded (storage size 0) after forward: {got['forward']['others']}"
         assert all(s > 0 for s in got["forward"]["root"]), "the root stays unsharded after forward (backward needs it first)"
@@ -102,9 +102,9 @@ def _nested_toy(rank, world_size):
     return {"params": adapters.gather_full_params(model), "owned": owned}
 
 
-def test_nested_units_own_each_parameter_once(backend):
+def test_nested_units_own_each_parameter_once():
     world_size = 3
-    results = run_ranks(_nested_toy, world_size, backend=backend)
+    results = run_ranks(_nested_toy, world_size)
     torch.manual_seed(0)
     model = ToyMLP(with_unused=True)
     optim = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
@@ -142,9 +142,9 @@ def _tied(rank, world_size, split_tie):
     return adapters.gather_full_params(model)
 
 
-def test_tied_weights_are_updated_once(backend):
+def test_tied_weights_are_updated_once():
     world_size = 2
-    got = run_ranks(_tied, world_size, False, backend=backend)[0]
+    got = run_ranks(_tied, world_size, False)[0]
     torch.manual_seed(0)
     model = TiedModel()
     idx = torch.randint(0, 23, (3 * world_size, 5), generator=torch.Generator().manual_seed(2))
@@ -155,8 +155,8 @@ def test_tied_weights_are_updated_once(backend):
         assert_close(got[name], p, f"{name} (tied weights)")
 
 
-def test_tie_across_sibling_units_is_rejected(backend):
-    message = run_ranks(_tied, 2, True, backend=backend)[0]
+def test_tie_across_sibling_units_is_rejected():
+    message = run_ranks(_tied, 2, True)[0]
     assert message is not None, "fully_shard must raise ValueError when a parent would flatten a parameter a child unit owns"
 
 
@@ -182,8 +182,8 @@ def _mixed_precision(rank, world_size):
     return out
 
 
-def test_mixed_precision_matches_torch_fsdp2(backend):
-    for rank, got in enumerate(run_ranks(_mixed_precision, 2, backend=backend)):
+def test_mixed_precision_matches_torch_fsdp2():
+    for rank, got in enumerate(run_ranks(_mixed_precision, 2)):
         assert got["ours"]["compute_dtype"] == "torch.bfloat16", "param_dtype=bf16: forward must see bf16 parameters"
         assert got["ours"]["grad_dtypes"] == ["torch.float32"], "sharded gradients must be fp32 (the shards' dtype)"
         for name, p in got["fsdp2"]["params"].items():
@@ -225,9 +225,9 @@ def _full_grads(model):
 
 
 @pytest.mark.parametrize("sync_every_micro_batch", [False, True])
-def test_gradient_accumulation_with_and_without_sync(backend, sync_every_micro_batch):
+def test_gradient_accumulation_with_and_without_sync(sync_every_micro_batch):
     world_size = 2
-    results = run_ranks(_accumulate, world_size, sync_every_micro_batch, backend=backend)
+    results = run_ranks(_accumulate, world_size, sync_every_micro_batch)
     torch.manual_seed(0)
     model = GPT(CFG)
     for micro in range(3):
@@ -249,8 +249,8 @@ def _meta_init(rank, world_size):
     return adapters.gather_full_params(model)
 
 
-def test_meta_init_then_training_matches_eager(backend):
-    got = run_ranks(_meta_init, 2, backend=backend)[0]
+def test_meta_init_then_training_matches_eager():
+    got = run_ranks(_meta_init, 2)[0]
     expected = train_single_process(CFG, 2, 2, torch.optim.SGD, seed=7, **SGD)
     for name, p in expected.named_parameters():
         assert_close(got[name], p, f"{name}: meta init + fully_shard + 2 steps vs eager")
