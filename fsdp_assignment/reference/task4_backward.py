@@ -130,7 +130,6 @@ def post_backward(unit: FSDPUnit, flat_param: FlatParameter) -> None:
         else:
             accumulate_shard_grad(flat_param, grad_shard)
     reshard(flat_param)
-    unit.post_backward_done.add(flat_param)
     if not any(fp.is_unsharded() for fp in unit.flat_params):
         unit.sharded_state = ShardedState.SHARDED
 
@@ -151,5 +150,4 @@ def finalize_backward(shared: SharedState) -> None:
         if unit.sharded_state == ShardedState.UNSHARDED or unit.pending_unshard:
             reshard_unit(unit)
         unit.training_state = TrainingState.IDLE
-        unit.post_backward_done.clear()
     shared.backward_callback_queued = False

@@ -52,8 +52,6 @@ class FSDPUnit:
     requires_gradient_sync: bool = True
     # Handles of all-gathers issued for this unit but not yet waited on (Task 6's prefetch).
     pending_unshard: list = field(default_factory=list)
-    # Flat parameters whose post-backward has run in the current backward pass.
-    post_backward_done: set = field(default_factory=set)
 
     def __repr__(self) -> str:
         return f"FSDPUnit({type(self.module).__name__}, {self.sharded_state.name}, {self.training_state.name})"
