@@ -65,3 +65,24 @@ def _no_implementation_in_pytest_process(request):
     if imported and request.node.get_closest_marker("staff") is None:
         pytest.fail(f"this test imported implementation code into the pytest process: {', '.join(imported)}. "
                     f"Call adapters only inside a rank body (tests.harness.run_ranks).", pytrace=False)
+
+
+# ---- Every failure names its task -----------------------------------------------------------------------------
+TASK_TITLES = {1: "meta-device init", 2: "FlatParameter", 3: "forward", 4: "backward",
+               5: "sharded optimizer and checkpoints", 6: "prefetching", 7: "fully_shard"}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    for marker in item.iter_markers():
+        if marker.name.startswith("task") and marker.name[4:].isdigit():
+            n = int(marker.name[4:])
+            report.sections.append((f"Task {n}", (
+                f"This is a Task {n} ({TASK_TITLES.get(n, '?')}) test: run them alone with `python -m pytest -m task{n}`. "
+                f"Tests of a task also use the tasks before it, so a NotImplementedError naming an earlier task "
+                f"means: finish that one first.")))
+            break
