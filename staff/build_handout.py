@@ -12,7 +12,8 @@ through ``sys.inputs``, so that the handout uses the same words as the files stu
 
 - each task stub's public functions and classes: signatures and docstrings (``fsdp_assignment/task*.py``);
 - the points per task (``POINTS_SOURCES`` below; a placeholder in ``handout/handout.typ`` when none exists);
-- the writeup's sections and questions (``WRITEUP_TEMPLATE.md``).
+- the writeup's sections and questions (``WRITEUP_TEMPLATE.md``);
+- the README's set-up commands (install and test), as ``staff/release.py`` reads them.
 
 Staleness: ``source_digest()`` hashes the handout's Typst sources, this script, and the JSON inputs above (content
 only, line endings normalised: no mtimes, so a fresh clone checks the same). The build writes that digest and the
@@ -252,10 +253,26 @@ def writeup_outline() -> dict:
     return {"sections": sections, "questions": questions}
 
 
+# ---- Set-up commands -----------------------------------------------------------------------------------
+def setup_commands() -> dict | None:
+    """The README's install and test commands (staff/release.py's reading of them), or None without a README."""
+    readme = ROOT / "README.md"
+    if not readme.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("_release", ROOT / "staff" / "release.py")
+    release = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(release)
+    install, test = release.readme_commands(readme.read_text(encoding="utf-8"))
+    return {"install": install, "test": test}
+
+
 # ---- Inputs, digest, build -------------------------------------------------------------------------------
 def inputs() -> dict[str, str]:
     """What the build passes to Typst (``sys.inputs``), each a JSON string."""
     out = {"api": json.dumps(stub_api(), sort_keys=True), "writeup": json.dumps(writeup_outline(), sort_keys=True)}
+    setup = setup_commands()
+    if setup is not None:
+        out["setup"] = json.dumps(setup, sort_keys=True)
     points = points_table()
     if points is not None:
         out["points"] = json.dumps(points, sort_keys=True)
@@ -296,8 +313,8 @@ def check() -> list[str]:
     stamp = json.loads(STAMP.read_text(encoding="utf-8"))
     digest = source_digest()
     if stamp.get("sources_sha256") != digest:
-        problems.append("the handout's sources (handout/*, the task stubs' docstrings, the points table or "
-                        "WRITEUP_TEMPLATE.md) changed since handout.pdf was built")
+        problems.append("the handout's sources (handout/*, the task stubs' docstrings, the points table, "
+                        "WRITEUP_TEMPLATE.md or the README's set-up commands) changed since handout.pdf was built")
     if stamp.get("pdf_sha256") != file_sha256(PDF):
         problems.append("handout.pdf is not the file the last build wrote (edited or replaced by hand?)")
     elif stamp.get("sources_sha256", "").encode() not in PDF.read_bytes():

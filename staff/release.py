@@ -21,6 +21,9 @@ Transformations, applied to every released text file:
   files, and the module docstring's lines about the reference are replaced by one line about ``FSDP_IMPL``.
 - The stubs' generated-file header (it names the staff tool that generates them) becomes a plain instruction.
 - ``"fsdp_assignment.reference"`` items are removed from tuples and lists (e.g. import guards).
+- Markdown (the README): sections whose heading says "staff" are dropped, table rows that describe only
+  staff-only paths are dropped, and code-block lines and parenthetical remarks that mention the reference go
+  (``transform_markdown``). Markers are clearer: prefer them.
 
 Then ``check_release`` (also run by ``--check`` and by ``tests/staff/test_release.py``) fails when: a staff-only
 path is present; a released file mentions or imports the reference (``MENTION`` below, with a short allowlist for
@@ -82,7 +85,7 @@ TEXT_SUFFIXES = {".py", ".md", ".toml", ".txt", ".cfg", ".ini", ".sh", ".yaml", 
 
 # A released file must not mention or import the reference solution. The word "reference" alone is ordinary
 # English ("keeps a reference to"): the allowlist names those uses; any other occurrence is a finding.
-MENTION = re.compile(r"reference", re.IGNORECASE)
+MENTION = re.compile(r"\breference\b", re.IGNORECASE)
 ALLOWED_MENTIONS = re.compile(
     r"\b(a|any|no|one|strong|weak|extra|the last|its|their|circular|dangling|stale)\s+references?\s+(to|cycles?|count)\b"
     r"|\breferences?\s+(to|count|counting|cycles?)\b"
@@ -188,15 +191,69 @@ _STUB_HEADER_RELEASE = ("# The signatures and docstrings are the specification. 
                         "# with your code; you may add private helpers (names starting with `_`).\n")
 
 
+def _code_spans(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def transform_markdown(text: str) -> str:
+    """Generic rules for Markdown files written for the staff repo (markers are preferred; these catch the
+    rest): drop sections whose heading says "staff"; drop table rows whose first cell names only staff-only
+    paths, and staff-only paths from a first cell that also names released ones; drop lines in code blocks and
+    parenthetical remarks that mention the reference."""
+    out: list[str] = []
+    skip_level = None
+    in_code = False
+    for line in text.splitlines(keepends=True):
+        heading = re.match(r"^(#{1,6})\s+(.*)", line)
+        if heading and not in_code:
+            level = len(heading.group(1))
+            if skip_level is not None and level <= skip_level:
+                skip_level = None
+            if skip_level is None and re.search(r"\bstaff\b", heading.group(2), re.IGNORECASE):
+                skip_level = level
+        if skip_level is not None:
+            continue
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+            out.append(line)
+            continue
+        mentions_reference = MENTION.search(line) and not ALLOWED_MENTIONS.search(line)
+        if in_code:
+            if not mentions_reference:
+                out.append(line)
+            continue
+        row = re.match(r"^\|([^|]*)\|(.*)$", line.rstrip("\n"))
+        if row and not re.match(r"^\|\s*-", line):
+            paths = _code_spans(row.group(1))
+            staff = [p for p in paths if _excluded(p) or _excluded(p.rstrip("/") + "/")]
+            if paths and len(staff) == len(paths):
+                continue
+            if staff:
+                cell = row.group(1)
+                for p in staff:
+                    cell = re.sub(r"`" + re.escape(p) + r"`\s*,?\s*", "", cell)
+                line = f"|{cell}|{row.group(2)}\n"
+        if mentions_reference:
+            line = re.sub(r"\s*\([^()]*reference[^()]*\)", "", line, flags=re.IGNORECASE)
+        out.append(line)
+    return "".join(out)
+
+
 def transform(rel: str, text: str) -> str:
     text = strip_staff_only(text, rel)
     if rel == "adapters.py":
         text = transform_adapters(text)
+    if rel.endswith(".md"):
+        text = transform_markdown(text)
     if rel in TASK_FILES:
         text = _STUB_HEADER.sub(_STUB_HEADER_RELEASE, text, count=1)
     if rel.endswith(".py"):
-        text = re.sub(r"""(,\s*["']fsdp_assignment\.reference["'])|(["']fsdp_assignment\.reference["']\s*,\s*)""",
-                      "", text)
+        # Remove "fsdp_assignment.reference" items from tuples and lists; a tuple stays a tuple:
+        # ("a", REF) -> ("a",)   (REF, "a") -> ("a",)   (REF, "a", "b") -> ("a", "b")   [REF] -> []
+        ref = r"""["']fsdp_assignment\.reference["']"""
+        text = re.sub(r"\(\s*" + ref + r"\s*,\s*([^,()]+?)\s*,?\s*\)", r"(\1,)", text)
+        text = re.sub(r"\s*" + ref + r"\s*(?=[)\]])", "", text)
+        text = re.sub(ref + r"\s*,\s*", "", text)
     return text
 
 
