@@ -147,7 +147,8 @@ def test_release_end_to_end(tmp_path):
     bad = [c["id"] for c in cases if c["outcome"] in ("failure", "error")]
     assert proc.returncode == 0 and not bad, (f"with the reference's task files: exit code {proc.returncode}, "
                                               f"{len(bad)} failing: {bad[:10]}\n{_tail(proc)}")
-    timings[f"public tests, reference ({len(cases)} tests)"] = time.monotonic() - t
+    n_passed = sum(c["outcome"] == "passed" for c in cases)
+    timings[f"public tests, reference ({n_passed} passing)"] = time.monotonic() - t
 
     report = ", ".join(f"{k}: {v:.1f}s" for k, v in timings.items())
     print(f"\nrelease check timings: {report}; total {time.monotonic() - t0:.1f}s")
