@@ -151,6 +151,10 @@ if not any(f.startswith("benchmarks/results/") for f in files):
     print("         belong in your writeup, and the results in the zip.")
 for f in big:
     print(f"WARNING: {f} is larger than 5 MiB; is it meant to be there?")
+for f in task_files:
+    left = Path(f).read_text(encoding="utf-8", errors="replace").count('raise NotImplementedError("Task ')
+    if left:
+        print(f"WARNING: {f} still has {left} unimplemented function(s) (raise NotImplementedError).")
 size = out_path.stat().st_size
 print(f"Wrote {out_path} ({size:,d} bytes, {size / 2**20:.2f} MiB). Public tests: {test_status}.")
 print("Upload it to Gradescope.")
