@@ -121,8 +121,12 @@ def worker(ctx: C.RankContext, payload: dict) -> dict:
     cfg = C.model_config(payload)
     for name in payload["strategies"]:
         with C.CommMeter() as meter:
-            trainer = C.build_trainer(name, cfg, payload["batch"], ctx.device, meter)
-            trainer.step(ctx.rank)  # warm-up (lazy initialization may communicate)
+            try:
+                trainer = C.build_trainer(name, cfg, payload["batch"], ctx.device, meter)
+                trainer.step(ctx.rank)  # warm-up (lazy initialization may communicate)
+            except NotImplementedError as exc:
+                out["steps"][name] = C.skipped(name, exc, ctx)
+                continue
             meter.reset()
             trainer.step(ctx.rank)
             out["steps"][name] = meter.summary()
@@ -171,7 +175,7 @@ def main(argv=None) -> dict:
     if not C.is_writer():
         return {}
 
-    coll_rows, coll_records, step_rows, step_records = [], [], [], []
+    coll_rows, coll_records, step_rows, step_records, skipped = [], [], [], [], []
     for w, res in results.items():
         for r in res["collectives"]:
             alg = r["size"] / r["seconds"] / 1e9
@@ -179,6 +183,9 @@ def main(argv=None) -> dict:
             coll_rows.append([r["kind"].replace("_", "-"), w, interconnect, human(r["size"]), r["seconds"] * 1e6, alg, bus])
             coll_records.append({**r, "world_size": w, "algbw_gbps": alg, "busbw_gbps": bus, "interconnect": interconnect})
         for name, summary in res["steps"].items():
+            if "skipped" in summary:
+                skipped.append(f"- {name} (W={w}): not measured ({summary['skipped']})")
+                continue
             mib = {k: summary.get(k, {}).get("bus_bytes", 0.0) / C.MiB for k in ("all_gather", "reduce_scatter", "all_reduce")}
             total = sum(mib.values())
             k = FORMULA[name]
@@ -196,9 +203,10 @@ def main(argv=None) -> dict:
     md = (f"Collectives: {interconnect}; time = slowest rank's mean; busbw = size/time x (W-1)/W.\n\n"
           + C.markdown_table(HEADERS_COLL, coll_rows)
           + f"\nBytes per training step (bus bytes per rank, counted), GPT Ψ = {psi:,} params x 4 B = "
-          f"{psi * 4 / C.MiB:.2f} MiB:\n\n" + C.markdown_table(HEADERS_STEP, step_rows))
+          f"{psi * 4 / C.MiB:.2f} MiB:\n\n" + C.markdown_table(HEADERS_STEP, step_rows)
+          + ("\n" + "\n".join(skipped) + "\n" if skipped else ""))
     raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": C.environment(),
-           "interconnect": interconnect, "collectives": coll_records, "bytes_per_step": step_records}
+           "interconnect": interconnect, "collectives": coll_records, "bytes_per_step": step_records, "skipped": skipped}
 
     def plot(path: Path) -> None:
         import matplotlib.pyplot as plt

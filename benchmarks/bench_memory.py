@@ -74,9 +74,13 @@ def worker(ctx: C.RankContext, payload: dict) -> dict:
         cuda = ctx.device.type == "cuda"
         with LiveStorageTracker(device=ctx.device.type, resize_label="unsharded") as mem, \
                 C.CommMeter(on_buffer=lambda kind, t: mem.relabel(t, "unsharded")):
-            with mem.label("params"):
-                trainer = C.build_trainer(name, cfg, payload["batch"], ctx.device)
-            trainer.step(ctx.rank, mem)  # warm-up: AdamW's state exists from here on
+            try:
+                with mem.label("params"):
+                    trainer = C.build_trainer(name, cfg, payload["batch"], ctx.device)
+                trainer.step(ctx.rank, mem)  # warm-up: AdamW's state exists from here on
+            except NotImplementedError as exc:
+                out[name] = C.skipped(name, exc, ctx)
+                continue
             mem.relabel(trainer.model, "params")  # the parameters (shards under FSDP) as the step starts
             mem.relabel(trainer.optimizer, "optim")
             gc.collect()
@@ -153,10 +157,14 @@ def main(argv=None) -> dict:
     for w in args.world_sizes:
         runs.setdefault(w, []).extend(n for n in args.strategies if n != "one process")
     measured: dict[tuple[int, str], list[dict]] = {}  # (W, strategy) -> every rank's result
+    skipped: list[str] = []
     for w, names in sorted(runs.items()):
         ranks = C.launch(args, "benchmarks.bench_memory:worker", w, {**payload, "strategies": names})
         for name in names if ranks is not None else []:
-            measured[(w, name)] = [r[name] for r in ranks]
+            if "skipped" in ranks[0][name]:
+                skipped.append(f"- {name} (W={w}): not measured ({ranks[0][name]['skipped']})")
+            else:
+                measured[(w, name)] = [r[name] for r in ranks]
     if not C.is_writer():
         return {}
 
@@ -185,9 +193,9 @@ def main(argv=None) -> dict:
           f"per-rank peak of one step (worst rank), {records[0]['tracker'] if records else ''}.\n"
           f"Model: max(12·S + A + 4·(U_p + U_g), 16·S + 4·U_end) (see bench_memory.py), S = this rank's parameter count, "
           f"A = {activations / C.MiB:.2f} MiB (one-process forward).\n\n")
-    md += C.markdown_table(HEADERS, rows)
+    md += C.markdown_table(HEADERS, rows) + ("\n" + "\n".join(skipped) + "\n" if skipped else "")
     raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": C.environment(),
-           "activations_bytes_one_process": activations, "results": records}
+           "activations_bytes_one_process": activations, "results": records, "skipped": skipped}
 
     def plot(path: Path) -> None:
         import matplotlib.pyplot as plt

@@ -39,7 +39,6 @@ Table headers (step.md; the writeup copies them):
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
@@ -49,7 +48,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks import common as C  # noqa: E402
-from fsdp_assignment.support.memory import LiveStorageTracker  # noqa: E402
 
 NAME = "step"
 HEADERS = ["strategy", "W", "interconnect", "step ms", "vs one process", "exposed comm", "tokens/s"]
@@ -77,16 +75,6 @@ def run_rounds(trainers: dict, ctx: C.RankContext, rounds: int, steps: int) -> d
     return per_round
 
 
-def peak_of_one_step(trainer: C.Trainer, rank: int, device: torch.device) -> int:
-    gc.collect()
-    with LiveStorageTracker(device=device.type, resize_label="unsharded") as mem:
-        mem.track(trainer.model, "params")  # they exist already: count them from the start
-        mem.track(trainer.optimizer, "optim")
-        mem.reset_peak()
-        trainer.step(rank, mem)
-        return mem.peak_bytes
-
-
 def worker(ctx: C.RankContext, payload: dict) -> dict:
     cfg = C.model_config(payload)
     names = payload["strategies"]
@@ -99,13 +87,19 @@ def worker(ctx: C.RankContext, payload: dict) -> dict:
             out["phases"].append({"interconnect": payload["real_name"], "times": times, "exposed": {}})
             return out
 
-        trainers = {n: C.build_trainer(n, cfg, payload["batch"], ctx.device, meter) for n in names}
-        bus_per_step = {}
-        for n, t in trainers.items():  # warm-up (lazy init, first-call allocations); count one step's bytes
-            t.step(ctx.rank)
+        trainers, bus_per_step = {}, {}
+        out["skipped"] = {}
+        for n in names:  # build, warm up (lazy init, first-call allocations), count one step's bytes
+            try:
+                t = C.build_trainer(n, cfg, payload["batch"], ctx.device, meter)
+                t.step(ctx.rank)
+            except NotImplementedError as exc:
+                out["skipped"][n] = C.skipped(n, exc, ctx)["skipped"]
+                continue
             meter.reset()
             t.step(ctx.rank)
             bus_per_step[n] = sum(s["bus_bytes"] for s in meter.summary().values())
+            trainers[n] = t
         out["bus_bytes_per_step"] = bus_per_step
 
         phases = [(payload["real_name"], None)]
@@ -130,7 +124,7 @@ def worker(ctx: C.RankContext, payload: dict) -> dict:
                 label = f"simulated {link.bandwidth / 1e9:.3g} GB/s"
                 ctx.log(link.describe())
             times = run_rounds(trainers, ctx, payload["rounds"], payload["steps"])
-            exposed = {n: C.exposed_comm(t, ctx.rank) for n, t in trainers.items()}
+            exposed = {n: C.exposed_comm(t, ctx.rank, payload["profile_steps"]) for n, t in trainers.items()}
             out["phases"].append({"interconnect": label, "times": times, "exposed": exposed})
         meter.link = None
 
@@ -139,7 +133,7 @@ def worker(ctx: C.RankContext, payload: dict) -> dict:
         out["peak_bytes"] = {n: [] for n in mem_names}
         for _ in range(payload["memory_rounds"]):
             for n in mem_names:
-                out["peak_bytes"][n].append(peak_of_one_step(trainers[n], ctx.rank, ctx.device))
+                out["peak_bytes"][n].append(C.peak_of_one_step(trainers[n], ctx.rank))
     return out
 
 
@@ -154,13 +148,14 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per strategy per round")
     p.add_argument("--memory-rounds", type=int, default=2, help="alternated peak-memory measurements")
+    p.add_argument("--profile-steps", type=int, default=2, help="profiled steps per strategy (exposed comm)")
     p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=[s for s in C.STRATEGIES if s != "one process"])
     p.add_argument("--no-one-process", action="store_true", help="skip the W=1 baseline launch")
     args = C.finish_args(p.parse_args(argv))
     cfg = C.model_config(args)
     real_name = "nccl" if args.device == "cuda" else "gloo (real)"
     payload = {**C.model_payload(args), "strategies": args.strategies, "rounds": args.rounds, "steps": args.steps,
-               "memory_rounds": args.memory_rounds, "sim_bandwidth": args.sim_bandwidth,
+               "memory_rounds": args.memory_rounds, "profile_steps": args.profile_steps, "sim_bandwidth": args.sim_bandwidth,
                "sim_latency_us": args.sim_latency_us, "real_name": real_name}
     C.log(f"step: GPT {C.param_count(cfg) / 1e6:.2f}M params, batch {args.batch}x{args.block_size} per rank, "
           f"W in {args.world_sizes}, {args.rounds} rounds x {args.steps} steps", quiet=args.quiet)
@@ -225,7 +220,10 @@ def main(argv=None) -> dict:
         md += (f"Simulated interconnect (W={w}): {c['bandwidth_gbps']:.3g} GB/s = FSDP bus bytes per step "
                f"{c['fsdp_bus_bytes'] / C.MiB:.1f} MiB / compute per step {c['compute_s'] * 1e3:.0f} ms, "
                f"{args.sim_latency_us:g} us latency.\n")
+    skipped = sorted({f"- {n} (W={w}): not measured ({msg})" for w, rk in results.items()
+                      for n, msg in rk[0].get("skipped", {}).items()})
     md += "\n" + C.markdown_table(HEADERS, rows) + "\n" + C.markdown_table(HEADERS_RATIO, ratio_rows)
+    md += ("\n" + "\n".join(skipped) + "\n") if skipped else ""
     raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": C.environment(),
            "one_process_step_s": one, "calibration": calib, "results": records, "ratios": ratio_records}
 

@@ -75,3 +75,42 @@ def test_tracker_labels_and_peak_breakdown():
         assert breakdown["activations"] >= 240000
         assert sum(breakdown.values()) == mem.peak_bytes
         assert mem.bytes_by_label()["grads"] == 40000
+
+
+# ---- the benchmarks, end to end at a tiny size ----------------------------------------------------------
+# The exact table headers: the writeup template copies them, so a change here is a change there too.
+HEADERS = {
+    "memory": ["| strategy | W | peak MiB | model MiB | model error | vs one process | params MiB | grads MiB | optim MiB "
+               "| unsharded MiB | activations MiB |"],
+    "comm": ["| collective | W | interconnect | size | time us | algbw GB/s | busbw GB/s |",
+             "| strategy | W | all-gather MiB | reduce-scatter MiB | all-reduce MiB | total MiB | formula | formula MiB "
+             "| counted / formula | note |"],
+    "step": ["| strategy | W | interconnect | step ms | vs one process | exposed comm | tokens/s |",
+             "| comparison | W | interconnect | ratio (median) | min | max | rounds |"],
+    "scaling": ["| strategy | W | params M | step ms | weak-scaling efficiency | peak MiB per rank | peak vs smallest W |"],
+}
+
+
+def test_run_all_quick_writes_tables_json_and_plots(tmp_path):
+    """All four benchmarks at a tiny size (W=2, gloo, local launcher, simulated link on in the step benchmark):
+    each writes its JSON, its markdown table with the documented headers, and a PNG. With the student's
+    unfinished tasks the FSDP rows are listed as not measured and everything else still runs."""
+    import json
+
+    from benchmarks import run_all
+
+    run_all.main(["--quick", "--out", str(tmp_path), "--quiet"])
+    for name, headers in HEADERS.items():
+        md = (tmp_path / f"{name}.md").read_text()
+        for header in headers:
+            assert header in md, f"{name}.md lost its header {header!r}:\n{md}"
+        raw = json.loads((tmp_path / f"{name}.json").read_text())
+        assert raw["benchmark"] == name and raw["environment"]["torch"]
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        # the documented headers are the ones in each script's docstring
+        module = getattr(run_all, f"bench_{name}")
+        for header in headers:
+            assert header in module.__doc__
+    step = (tmp_path / "step.md").read_text()
+    assert "Simulated interconnect" in step and "simulated" in step  # the output says when the link is simulated
+    assert (tmp_path / "summary.md").exists()
