@@ -318,7 +318,7 @@ def _launch_slurm(target: str, world_size: int, payload: Any, settings: dict, ar
     folder = Path(args.slurm_folder or (Path(args.out) / "slurm")).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-    kind, _ = _resolve_device(args.device if args.device != "auto" else "cpu", 1) if args.device == "cuda" else ("cpu", "")
+    kind = "cuda" if args.device == "cuda" else "cpu"  # GPUs are requested only with --device cuda
     gpus = args.slurm_gpus_per_node if args.slurm_gpus_per_node is not None else (world_size if kind == "cuda" else 0)
     params = dict(nodes=1, tasks_per_node=world_size, timeout_min=max(2, args.slurm_time_min or 10),
                   name=f"fsdp-bench-{target.split(':')[0].split('.')[-1]}-W{world_size}")
