@@ -67,7 +67,9 @@ def make_stub(reference_file: Path, task: int) -> str:
         elif isinstance(node, ast.Import):
             out += lines[node.lineno - 1:node.end_lineno]
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            out += lines[node.lineno - 1:node.end_lineno]
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if all(isinstance(t, ast.Name) and _is_public(t.id) for t in targets):
+                out += lines[node.lineno - 1:node.end_lineno]
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_public(node.name):
             out += [""] * 2 + _stub_function(lines, node, task, f"{node.name}()", reference_file.name, "")
         elif isinstance(node, ast.ClassDef) and _is_public(node.name):

@@ -42,13 +42,15 @@ class FSDPModule:
         set_requires_gradient_sync(self, requires_gradient_sync)
 
 
+# One FSDP subclass per original class, shared by every instance (as FSDP2 does): a cache, not state that
+# changes behaviour, so isinstance(module, nn.Linear) and isinstance(module, FSDPModule) both hold.
+_FSDP_CLASSES: dict[type, type] = {}
+
+
 def _fsdp_class(cls: type) -> type:
-    # One subclass per original class, cached, so isinstance(module, nn.Linear) etc. keep working.
-    if not hasattr(_fsdp_class, "cache"):
-        _fsdp_class.cache = {}
-    if cls not in _fsdp_class.cache:
-        _fsdp_class.cache[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    return _fsdp_class.cache[cls]
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _FSDP_CLASSES[cls]
 
 
 def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision=None) -> nn.Module:
