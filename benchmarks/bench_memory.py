@@ -6,7 +6,9 @@
 
 For each W and strategy (one process, torch's DDP, the implementation's FSDP with reshard after forward on and off
 and with prefetching, torch's FSDP2) every rank builds the benchmark GPT, takes one AdamW step (so the optimizer
-state exists, as in every later step), then measures the peak of the next step:
+state exists, as in every later step), then measures the peak of each of the next --repeat steps (3) and reports
+the median one (gloo's threads free finished collectives' tensors on their own schedule, so a step's peak can
+differ by a few percent from run to run):
 
   * on CPU with fsdp_assignment/support/memory.py's LiveStorageTracker (live tensor storages, FSDP's storage
     resizes included), which also gives the breakdown below;
@@ -83,26 +85,32 @@ def worker(ctx: C.RankContext, payload: dict) -> dict:
                 continue
             mem.relabel(trainer.model, "params")  # the parameters (shards under FSDP) as the step starts
             mem.relabel(trainer.optimizer, "optim")
-            gc.collect()
-            C.sync(ctx.device)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(ctx.device)
-            mem.reset_peak()
-            start = mem.current_bytes
-            after = {}
-            trainer.step(ctx.rank, mem, probe=lambda phase: after.__setitem__(phase, mem.current_bytes))
-            C.sync(ctx.device)
-            result = {
-                "peak_bytes": mem.peak_bytes,
-                "start_bytes": start,
-                "forward_growth_bytes": after["forward"] - start,  # activations (+ unsharded kept) after forward
-                "breakdown_at_peak": mem.peak_breakdown(),
-                "tracker": "LiveStorageTracker",
-            }
-            if cuda:
-                result["peak_bytes_tracker"] = result["peak_bytes"]
-                result["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
-                result["tracker"] = "torch.cuda.max_memory_allocated"
+            steps = []
+            for _ in range(payload["repeat"]):
+                # The same step can peak a little higher or lower from run to run: gloo's threads release the
+                # tensors of finished collectives on their own schedule. So: several steps, the median one.
+                gc.collect()
+                C.sync(ctx.device)
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(ctx.device)
+                mem.reset_peak()
+                start = mem.current_bytes
+                after = {}
+                trainer.step(ctx.rank, mem, probe=lambda phase: after.__setitem__(phase, mem.current_bytes))
+                C.sync(ctx.device)
+                steps.append({
+                    "peak_bytes": mem.peak_bytes,
+                    "start_bytes": start,
+                    "forward_growth_bytes": after["forward"] - start,  # activations (+ unsharded kept) after forward
+                    "breakdown_at_peak": mem.peak_breakdown(),
+                    "tracker": "LiveStorageTracker",
+                })
+                if cuda:
+                    steps[-1]["peak_bytes_tracker"] = steps[-1]["peak_bytes"]
+                    steps[-1]["peak_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
+                    steps[-1]["tracker"] = "torch.cuda.max_memory_allocated"
+            result = sorted(steps, key=lambda r: r["peak_bytes"])[len(steps) // 2]  # the median step
+            result["peak_bytes_all_steps"] = [r["peak_bytes"] for r in steps]
         del trainer
         gc.collect()
         out[name] = result
@@ -144,9 +152,10 @@ def main(argv=None) -> dict:
     C.world_sizes_arg(p, [1, 2, 4])
     C.add_model_args(p, params=4e6, layers=8, block_size=32, batch=1)
     p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=list(C.STRATEGIES))
+    p.add_argument("--repeat", type=int, default=3, help="measured steps per strategy; the median step is reported")
     args = C.finish_args(p.parse_args(argv))
     cfg = C.model_config(args)
-    payload = {**C.model_payload(args), "strategies": args.strategies}
+    payload = {**C.model_payload(args), "strategies": args.strategies, "repeat": args.repeat}
     C.log(f"memory: GPT {C.param_count(cfg) / 1e6:.2f}M params ({cfg}), batch {args.batch}x{args.block_size} "
           f"per rank, AdamW, W in {args.world_sizes}", quiet=args.quiet)
 
@@ -186,7 +195,8 @@ def main(argv=None) -> dict:
         records.append({"strategy": name, "world_size": w, "peak_bytes": worst["peak_bytes"],
                         "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank], "model": model,
                         "model_error": err, "vs_one_process": vs_one, "breakdown_at_peak": cats,
-                        "forward_growth_bytes": worst["forward_growth_bytes"], "tracker": worst["tracker"]})
+                        "forward_growth_bytes": worst["forward_growth_bytes"], "tracker": worst["tracker"],
+                        "peak_bytes_all_steps_per_rank": [r["peak_bytes_all_steps"] for r in per_rank]})
 
     md = (f"GPT {C.param_count(cfg) / 1e6:.2f}M params (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
           f"vocab={cfg.vocab_size}), batch {args.batch}x{args.block_size} tokens per rank, fp32, AdamW; "

@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
     C.add_model_args(p, params=4e6, layers=8, block_size=32, batch=8)
     C.add_sim_args(p, default_bw="auto")
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per strategy per round")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per strategy per round")
     p.add_argument("--memory-rounds", type=int, default=2, help="alternated peak-memory measurements")
     p.add_argument("--profile-steps", type=int, default=2, help="profiled steps per strategy (exposed comm)")
     p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=[s for s in C.STRATEGIES if s != "one process"])

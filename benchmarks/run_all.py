@@ -30,7 +30,8 @@ BENCHMARKS = {"memory": bench_memory, "comm": bench_comm, "step": bench_step, "s
 # --quick: tiny model, W=2, one round: checks that everything runs and writes its outputs, measures nothing useful
 QUICK_MODEL = ["--params", "2e5", "--layers", "2", "--block-size", "16", "--batch", "1"]
 QUICK = {
-    "memory": ["--world-sizes", "2", "--strategies", "one process", "FSDP", "FSDP2 (torch)"] + QUICK_MODEL,
+    "memory": ["--world-sizes", "2", "--repeat", "1", "--strategies", "one process", "FSDP", "FSDP2 (torch)"]
+              + QUICK_MODEL,
     "comm": ["--world-sizes", "2", "--max-size", "16KiB", "--budget", "0.01", "--strategies", "FSDP", "DDP (torch)"]
             + QUICK_MODEL,
     "step": ["--world-sizes", "2", "--rounds", "1", "--steps", "1", "--memory-rounds", "1", "--profile-steps", "1"]
