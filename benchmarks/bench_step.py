@@ -111,7 +111,7 @@ def worker(ctx: C.RankContext, payload: dict) -> dict:
             dist.all_reduce(compute)
             compute = compute.item() / ctx.world_size
             del local
-            fsdp_bytes = bus_per_step.get("FSDP", max(bus_per_step.values()))
+            fsdp_bytes = bus_per_step.get("FSDP", max(bus_per_step.values(), default=0.0)) or 1.0
             bandwidth = fsdp_bytes / compute / 1e9
             out["calibration"] = {"compute_s": compute, "fsdp_bus_bytes": fsdp_bytes, "bandwidth_gbps": bandwidth}
             phases.append(("sim", C.SimLink(bandwidth, payload["sim_latency_us"])))
