@@ -17,13 +17,21 @@ new student would:
    ``from ..support`` -> ``from .support``, see ``release.reference_task_files``) and runs the README's test
    command again: every test must pass.
 
-It takes about two runs of the public suite plus ~20 s; ``test_make_submission_reports_failing_tests`` checks
-the script's test reporting on a tiny fake repository in a second or two.
+It takes about two runs of the public suite plus ~20 s (about 2 minutes on the 2-core CI machine).
+
+``test_release_submission_is_graded_by_the_bundle`` closes the loop with the autograder: ``make_submission.sh``
+run inside the release makes a zip; the Gradescope bundle's staff tree (``staff/autograder/build_bundle.py
+--stage``), with that zip unpacked as the submission, grades it with ``grade.py --autograder-root``: 0 with the
+stubs, full marks with the reference's task files (two grading runs: about 3.5 minutes on 2 cores).
+
+``test_make_submission_reports_failing_tests`` checks the script's own reporting on a tiny fake repository (a
+passing and a failing test, a missing writeup, a missing task file) in a few seconds.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -193,3 +201,58 @@ def test_make_submission_reports_failing_tests(tmp_path):
     proc = subprocess.run(["bash", "make_submission.sh", "--skip-tests"], cwd=repo, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1 and release.TASK_FILES[3] in proc.stderr, proc.stdout + proc.stderr
+
+
+def _grade_zip(zip_path: Path, source: Path, root: Path) -> dict:
+    """Grade a submission zip the way Gradescope does: the bundle's staff tree in R/source, the zip unpacked in
+    R/submission, ``staff/autograder/grade.py --autograder-root R`` (rank bodies as the current user)."""
+    if root.exists():
+        shutil.rmtree(root)
+    (root / "submission").mkdir(parents=True)
+    shutil.copytree(source, root / "source")
+    with zipfile.ZipFile(zip_path) as zf:
+        zf.extractall(root / "submission")
+    proc = subprocess.run([sys.executable, str(root / "source" / "staff" / "autograder" / "grade.py"),
+                           "--autograder-root", str(root), "--rank-user", "none"],
+                          cwd=root, env=_clean_env(), capture_output=True, text=True, timeout=1500)
+    results = root / "results" / "results.json"
+    assert results.exists(), f"grade.py wrote no results.json (exit code {proc.returncode}):\n{_tail(proc)}"
+    data = json.loads(results.read_text())
+    data["_log"] = _tail(proc)
+    return data
+
+
+@pytest.mark.timeout(1800)
+def test_release_submission_is_graded_by_the_bundle(tmp_path):
+    """make_submission.sh, run inside the release, makes a zip that the autograder bundle grades: 0 with the
+    stubs, full marks with the reference's task files dropped in."""
+    bundle = ROOT / "staff" / "autograder" / "build_bundle.py"
+    if not bundle.exists():
+        pytest.skip("staff/autograder/build_bundle.py does not exist yet")
+    release = _release_module()
+    dest = tmp_path / "release"
+    release.build_release(dest, allow_stale=True, quiet=True)
+    source = tmp_path / "bundle-source"
+    proc = subprocess.run([sys.executable, str(bundle), "--stage", str(source)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, _tail(proc)
+    (dest / "WRITEUP.md").write_text("# Writeup\n\nAnswers.\n")
+    env = _clean_env()
+    env["PYTHON"] = sys.executable
+
+    for label, expect_full in (("stubs", False), ("reference", True)):
+        if expect_full:
+            release.drop_in_reference(dest)
+        zip_path = dest / f"submission-{label}.zip"
+        proc = subprocess.run(["bash", "make_submission.sh", "--skip-tests", "-o", zip_path.name], cwd=dest,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, _tail(proc)
+        data = _grade_zip(zip_path, source, tmp_path / f"autograder-{label}")
+        max_score = sum(t["max_score"] for t in data["tests"])
+        assert data["tests"], f"{label}: no graded tests\n{data['_log']}"
+        if expect_full:
+            failed = [t["name"] for t in data["tests"] if t["score"] < t["max_score"] - 1e-6]
+            assert not failed and abs(data["score"] - max_score) < 1e-3, \
+                f"{label}: {data['score']:.2f}/{max_score:.2f}; not full marks: {failed[:10]}\n{data['_log']}"
+        else:
+            assert data["score"] == 0, f"{label}: {data['score']:.2f}/{max_score:.2f}, expected 0\n{data['_log']}"
