@@ -57,8 +57,9 @@ def _release_module():
 
 
 def _clean_env(venv: Path | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("FSDP_IMPL", "PYTHONPATH", "PYTEST_ADDOPTS", "VIRTUAL_ENV", "PYTHONHOME")}
+    # A student's machine: none of the staff CI's knobs (FSDP_IMPL, FSDP_REQUIRE_SLURM, ...) leak in.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_")
+           and k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "VIRTUAL_ENV", "PYTHONHOME")}
     if venv is not None:
         env["VIRTUAL_ENV"] = str(venv)
         env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
