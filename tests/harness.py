@@ -127,6 +127,29 @@ def require_backend(backend: str, world_size: int) -> None:
         pytest.skip(f"needs {world_size} CUDA GPUs for NCCL, found {found}")
 
 
+def _grader_settings(timeout: float, collective_timeout: float, memory_limit_bytes: int | None):
+    """The autograder's overrides, from the environment (unset: the call's own values, and no user change).
+
+    FSDP_RANK_MEMORY_LIMIT_BYTES: memory_limit_bytes for calls that give none (a memory bomb then fails its
+    own test instead of the whole machine). FSDP_RANK_TIMEOUT_CAP: an upper bound, in seconds, on timeout and
+    collective_timeout. FSDP_RANK_USER: a user name; when this process is root, each rank drops to that user
+    right before the body runs (returned as (uid, gid)); otherwise it is ignored."""
+    cap = os.environ.get("FSDP_RANK_TIMEOUT_CAP", "").strip()
+    if cap:
+        timeout, collective_timeout = min(timeout, float(cap)), min(collective_timeout, float(cap))
+    limit = os.environ.get("FSDP_RANK_MEMORY_LIMIT_BYTES", "").strip()
+    if memory_limit_bytes is None and limit:
+        memory_limit_bytes = int(limit)
+    run_as = None
+    user = os.environ.get("FSDP_RANK_USER", "").strip()
+    if user and os.geteuid() == 0:
+        import pwd
+        entry = pwd.getpwnam(user)
+        if entry.pw_uid != 0:
+            run_as = (entry.pw_uid, entry.pw_gid)
+    return timeout, collective_timeout, memory_limit_bytes, run_as
+
+
 # ==========================================================================================================
 # The parent side: start the ranks, collect their messages, kill them, explain what went wrong
 # ==========================================================================================================
@@ -157,11 +180,17 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
     memory_limit_bytes: how many bytes each rank may allocate on top of what it holds when the body starts
     (RLIMIT_DATA); beyond that an allocation fails (MemoryError or torch's "can't allocate memory").
     Raises RankFailure on any failure; skips the test when the backend lacks devices (require_backend).
+
+    The autograder sets three environment variables (see `_grader_settings`): FSDP_RANK_MEMORY_LIMIT_BYTES (the
+    default for memory_limit_bytes), FSDP_RANK_TIMEOUT_CAP (seconds: caps timeout and collective_timeout) and
+    FSDP_RANK_USER (when the harness runs as root: run each body as this unprivileged user).
     """
     __tracebackhide__ = True  # pytest: show the test, not the harness
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     require_backend(backend, world_size)
+    timeout, collective_timeout, memory_limit_bytes, run_as = _grader_settings(timeout, collective_timeout,
+                                                                               memory_limit_bytes)
     body_ref = _body_reference(body)
     args_blob = pickle.dumps(args)
     _ensure_forkserver()
@@ -169,6 +198,11 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
     env = dict(os.environ)
     nonce = secrets.token_hex(16)
     run_dir = tempfile.mkdtemp(prefix="fsdp-ranks-")
+    if run_as is not None:  # the body runs as run_as: it must reach the FileStore, nothing else of ours
+        store_path = os.path.join(run_dir, "store")
+        open(store_path, "w").close()
+        for path in (run_dir, store_path):
+            os.chown(path, run_as[0], run_as[1])
     lifeline_r, lifeline_w = _CTX.Pipe(duplex=False)  # the parent keeps the only write end
     ranks: list[_Rank] = []
     try:
@@ -179,7 +213,7 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
             config = dict(rank=rank, world_size=world_size, backend=backend, body_ref=body_ref,
                           args_blob=args_blob, nonce=nonce, env=env, run_dir=run_dir,
                           out_path=out_path, stack_path=stack_path, collective_timeout=collective_timeout,
-                          memory_limit_bytes=memory_limit_bytes)
+                          memory_limit_bytes=memory_limit_bytes, run_as=run_as)
             proc = _CTX.Process(target=_rank_main, args=(config, conn_w, lifeline_r), name=f"rank{rank}")
             ranks.append(_Rank(rank, proc, conn_r, out_path, stack_path))
             proc.start()
@@ -503,6 +537,8 @@ def _run_body(config: dict):
     args = pickle.loads(config["args_blob"])
     if config["memory_limit_bytes"] is not None:
         _limit_memory(config["memory_limit_bytes"])
+    if config.get("run_as") is not None:  # last: the harness and the test module were set up as ourselves
+        _drop_privileges(*config["run_as"])
     result = body(rank, world_size, *args)
     result = _sendable(result, "result")
     if dist.is_initialized():  # the body may have destroyed it itself
@@ -539,6 +575,15 @@ def _find_body(ref: dict):
     for part in ref["qualname"].split("."):
         found = getattr(found, part)
     return found
+
+
+def _drop_privileges(uid: int, gid: int) -> None:
+    # Every thread of the process (glibc applies setuid to all of them), before any student code runs: the body
+    # can then write neither the grader's files nor its results, nor signal the grading process.
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    os.environ["HOME"] = os.environ.get("TMPDIR") or tempfile.gettempdir()
 
 
 def _limit_memory(extra_bytes: int) -> None:

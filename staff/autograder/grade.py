@@ -1,0 +1,297 @@
+"""The grading command: grade a tree's task files with the public and hidden tests, write results.json.
+
+    python staff/autograder/grade.py --results results.json           # grade this tree's fsdp_assignment/task*.py
+    python staff/autograder/grade.py --autograder-root /autograder    # Gradescope (run_autograder calls this)
+
+Options: ``--budget S`` (tests not started by then are not run; default: --timeout minus 60 s), ``--timeout S``
+(the whole pytest run is killed after S seconds; default 1500), ``--rank-user USER`` (run rank bodies as this
+unprivileged user when grading as root; ``none`` to never; default ``fsdp_student``), ``--rank-memory-mb N`` (each
+rank's memory limit above its start-up usage; default 1024), ``--timeout-cap S`` (cap every harness timeout, for
+the staff's own tests of broken submissions). Anything after ``--`` goes to pytest (``-k``, ``-m``, ``-x``, ...).
+
+It runs pytest in a child process with the grading plugin (``staff/autograder/grading_plugin.py``) named
+explicitly and every other plugin off, so nothing a submission brings (a conftest, a plugin, a pyproject) is
+loaded, and writes results.json as the run goes. When the run ends, however it ends, results.json exists and
+holds every graded test.
+
+In Gradescope mode (``--autograder-root R``) it first builds a clean grading tree in ``R/grading`` from the
+staff tree ``R/source`` and copies in **only** the seven task files from ``R/submission`` (at their repository
+paths, as ``make_submission.sh`` zips them, or anywhere by file name); any other file of the submission is
+ignored. The tree is root-owned and read-only to everyone else, the results directory is root's, and rank
+bodies run as the unprivileged user where the container allows it (``setup.sh`` creates the user).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TREE = HERE.parents[1]  # the tree this script belongs to: <tree>/staff/autograder/grade.py
+DEFAULT_RANK_USER = "fsdp_student"
+DEFAULT_TIMEOUT_S = 1500
+DEFAULT_RANK_MEMORY_MB = 1024
+MAX_SUBMITTED_FILE_BYTES = 1 << 20
+TEST_DIRS = ("tests/public", "tests/hidden")
+
+
+# ---- the submission ---------------------------------------------------------------------------------------
+def task_files(tree: Path) -> list[str]:
+    """The task files a submission provides: the stubs' paths in the staff tree."""
+    return sorted(p.relative_to(tree).as_posix() for p in (tree / "fsdp_assignment").glob("task[0-9]_*.py"))
+
+
+def find_submitted(submission: Path, wanted: list[str]) -> tuple[dict[str, Path], list[str]]:
+    """Map each wanted task file to the submitted file that provides it; notes for the student.
+
+    First the exact repository path (``fsdp_assignment/task3_forward.py``, as make_submission.sh zips it),
+    else a file with that name anywhere (an upload of loose files, or a zip of the folder); symlinks, hidden
+    or macOS metadata folders, and oversized files are ignored."""
+    found: dict[str, Path] = {}
+    notes: list[str] = []
+    candidates: dict[str, list[Path]] = {}
+    if submission.is_dir():
+        for path in sorted(submission.rglob("*")):
+            rel = path.relative_to(submission)
+            if any(part.startswith(".") or part == "__MACOSX" for part in rel.parts):
+                continue
+            if path.is_symlink() or not path.is_file():
+                continue
+            candidates.setdefault(path.name, []).append(path)
+    for want in wanted:
+        name = Path(want).name
+        exact = submission / want
+        paths = [exact] if exact in candidates.get(name, []) else \
+            sorted(candidates.get(name, []), key=lambda p: (len(p.relative_to(submission).parts), str(p)))
+        if not paths:
+            notes.append(f"{want}: not found in your submission, so the stub is graded in its place "
+                         f"(tests that need it score 0)")
+            continue
+        chosen = paths[0]
+        if chosen.stat().st_size > MAX_SUBMITTED_FILE_BYTES:
+            notes.append(f"{want}: {chosen.relative_to(submission)} is larger than "
+                         f"{MAX_SUBMITTED_FILE_BYTES} bytes and was ignored; the stub is graded in its place")
+            continue
+        if len(paths) > 1:
+            notes.append(f"{want}: several files named {name} in your submission; graded "
+                         f"{chosen.relative_to(submission)}")
+        found[want] = chosen
+    return found, notes
+
+
+def install_submission(tree: Path, found: dict[str, Path]) -> None:
+    for rel, src in found.items():
+        dest = tree / rel
+        dest.unlink(missing_ok=True)
+        dest.write_bytes(src.read_bytes())  # contents only: no mode, owner or link comes along
+
+
+def stage_tree(source: Path, dest: Path) -> None:
+    """A fresh copy of the staff tree ``source`` (what the bundle ships) in ``dest``."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(source, dest, symlinks=False,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", "setup.sh",
+                                                  "run_autograder"))
+
+
+def lock_down(tree: Path) -> None:
+    """Owned by us, readable by everyone, writable by no one else."""
+    for dirpath, dirnames, filenames in os.walk(tree):
+        os.chmod(dirpath, 0o755)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o644)
+    path = tree
+    while path != path.parent:  # every directory above must let the rank user through
+        try:
+            mode = path.stat().st_mode
+            if not mode & 0o001:
+                os.chmod(path, mode | 0o001)
+        except OSError:
+            pass
+        path = path.parent
+
+
+# ---- the rank user ---------------------------------------------------------------------------------------
+def usable_rank_user(user: str | None, tree: Path) -> tuple[str | None, str]:
+    """``user`` if rank bodies can run as it here (we are root, it exists, and it can read Python, torch and
+    the tree), else None; and why."""
+    if not user or user == "none":
+        return None, "ranks run as the grading user (no --rank-user)"
+    if os.geteuid() != 0:
+        return None, "ranks run as the grading user (not root, so no other user to run them as)"
+    import pwd
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        return None, f"ranks run as root: user {user!r} does not exist (setup.sh creates it)"
+    if entry.pw_uid == 0:
+        return None, f"ranks run as root: user {user!r} is root"
+    import importlib.util
+    torch_spec = importlib.util.find_spec("torch")
+    paths = [sys.executable, os.__file__, str(tree / "adapters.py"), str(tree / "tests" / "harness.py")]
+    if torch_spec is not None and torch_spec.origin:
+        paths.append(torch_spec.origin)
+    pid = os.fork()
+    if pid == 0:  # the probe: can that user read all of these?
+        try:
+            os.setgroups([])
+            os.setgid(entry.pw_gid)
+            os.setuid(entry.pw_uid)
+            ok = all(os.access(p, os.R_OK) for p in paths)
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        return None, (f"ranks run as root: user {user!r} cannot read Python, torch or the grading tree "
+                      f"({', '.join(paths)})")
+    return user, f"rank bodies run as user {user!r} (uid {entry.pw_uid})"
+
+
+# ---- running ---------------------------------------------------------------------------------------------
+def pytest_command(tree: Path, results: Path, budget: float, extra: list[str], notes: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest",
+           "-p", "staff.autograder.grading_plugin", "-p", "pytest_timeout", "-p", "no:cacheprovider",
+           "-c", str(tree / "pyproject.toml"), "--rootdir", str(tree), "--confcutdir", str(tree),
+           "--continue-on-collection-errors", "-q", "-rN", "--tb=short", "--timeout", "300",
+           "--grade-results", str(results), "--grade-budget", f"{budget:g}"]
+    for note in notes:
+        cmd += ["--grade-note", note]
+    return cmd + [d for d in TEST_DIRS if (tree / d).is_dir()] + extra
+
+
+def grading_env(tree: Path, rank_user: str | None, memory_mb: int, timeout_cap: float | None) -> dict[str, str]:
+    keep = ("PATH", "LANG", "LC_ALL", "TMPDIR", "HOME", "SYSTEMROOT", "CUDA_VISIBLE_DEVICES", "TERM")
+    env = {k: v for k, v in os.environ.items() if k in keep or k.startswith("FSDP_ZOO_")}
+    env.update(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", FSDP_IMPL="student", PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPATH=str(tree), PYTHONNOUSERSITE="1",
+               FSDP_RANK_MEMORY_LIMIT_BYTES=str(int(memory_mb) << 20))
+    if rank_user:
+        env["FSDP_RANK_USER"] = rank_user
+    if timeout_cap:
+        env["FSDP_RANK_TIMEOUT_CAP"] = f"{timeout_cap:g}"
+    return env
+
+
+def run_pytest(cmd: list[str], tree: Path, env: dict[str, str], timeout: float) -> tuple[int | None, str]:
+    """Run pytest in its own session; kill the whole session at ``timeout``. Returns (exit code or None when
+    killed, the tail of its output), and echoes its output as it goes."""
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    tail: list[str] = []
+    deadline = time.monotonic() + timeout
+    killed = False
+    import selectors
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    buf = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            killed = True
+            break
+        if not sel.select(timeout=min(left, 1.0)):
+            if proc.poll() is not None:
+                break
+            continue
+        chunk = os.read(proc.stdout.fileno(), 65536)
+        if not chunk:
+            break
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.flush()
+        buf = (buf + chunk)[-20000:]
+    if killed:
+        print(f"\ngrade: the grading run exceeded {timeout:g} s and was killed", flush=True)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # pytest and anything left in its session
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    tail.append(buf.decode("utf-8", errors="replace"))
+    return (None if killed else proc.returncode), "".join(tail)
+
+
+def ensure_results(results: Path, tail: str, code: int | None) -> None:
+    """If pytest died before writing results.json (it never should), write one that says so."""
+    try:
+        data = json.loads(results.read_text())
+        if isinstance(data, dict) and "tests" in data:
+            return
+    except (OSError, ValueError):
+        pass
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({
+        "score": 0.0, "execution_time": 0,
+        "output": ("The grading run failed before it could grade any test (exit code "
+                   f"{code}); please tell the course staff. Its last output:\n\n{tail[-4000:]}"),
+        "stdout_visibility": "hidden", "tests": []}, indent=1))
+
+
+def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: float, rank_user: str | None,
+               memory_mb: int, timeout_cap: float | None, extra: list[str], notes: list[str]) -> int:
+    user, why = usable_rank_user(rank_user, tree)
+    print(f"grade: {why}", flush=True)
+    budget = budget if budget is not None else max(30.0, timeout - 60.0)
+    cmd = pytest_command(tree, results, budget, extra, notes)
+    env = grading_env(tree, user, memory_mb, timeout_cap)
+    start = time.monotonic()
+    code, tail = run_pytest(cmd, tree, env, timeout)
+    if user:  # anything of the rank user's still alive (escaped its session?) goes now
+        import pwd
+        sys.path.insert(0, str(HERE))
+        from grading_plugin import reap_user_processes
+        killed = reap_user_processes(pwd.getpwnam(user).pw_uid)
+        if killed:
+            print(f"grade: killed {killed} leftover process(es) of user {user!r}", flush=True)
+    ensure_results(results, tail, code)
+    print(f"grade: pytest exit code {code}, {time.monotonic() - start:.1f} s; results in {results}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=None, help="results.json to write")
+    parser.add_argument("--autograder-root", type=Path, default=None,
+                        help="Gradescope mode: R/source, R/submission, R/results (see the module docstring)")
+    parser.add_argument("--budget", type=float, default=None)
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument("--rank-user", default=DEFAULT_RANK_USER)
+    parser.add_argument("--rank-memory-mb", type=int, default=DEFAULT_RANK_MEMORY_MB)
+    parser.add_argument("--timeout-cap", type=float, default=None)
+    args = parser.parse_args(argv)
+    notes: list[str] = []
+    if args.autograder_root is not None:
+        root = args.autograder_root.resolve()
+        source, tree = root / "source", root / "grading"
+        stage_tree(source, tree)
+        found, notes = find_submitted(root / "submission", task_files(tree))
+        install_submission(tree, found)
+        lock_down(tree)
+        results = args.results or root / "results" / "results.json"
+        results.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(results.parent, 0o755)
+        for note in notes:
+            print(f"grade: {note}", flush=True)
+    else:
+        tree = TREE
+        results = args.results or tree / "results.json"
+    return grade_tree(tree, results.resolve(), budget=args.budget, timeout=args.timeout,
+                      rank_user=args.rank_user, memory_mb=args.rank_memory_mb, timeout_cap=args.timeout_cap,
+                      extra=extra, notes=notes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

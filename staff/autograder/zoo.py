@@ -1,0 +1,288 @@
+"""The broken-submission zoo: submissions made from the reference that misbehave on purpose, and what the grader
+must do with each (tests/staff/test_zoo.py runs them in CI; ``python staff/autograder/zoo.py`` runs them here).
+
+For every case: the tests it breaks score 0 with an output that says what happened, the other selected tests
+are graded normally, the run ends within its time bound, results.json is valid and genuine, and no process of
+the run survives it (every process the run starts carries a marker in its environment; /proc is searched for
+it afterwards). To keep CI quick each case grades a few chosen tests (``select``: a ``-k`` expression), not the
+whole suite; tests/staff/test_autograder_bundle.py grades the whole suite end to end through the bundle.
+
+Staff-only (it contains pieces of the solution); never in the bundle or the release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import mutations  # noqa: E402
+import results_schema  # noqa: E402
+
+ROOT = HERE.parents[1]
+TAG_VAR = "FSDP_ZOO_TAG"        # grade.py passes FSDP_ZOO_* through to pytest and so to every rank
+RESULTS_VAR = "FSDP_ZOO_RESULTS"  # where a forging submission would write (the grader's own results path)
+
+UNSHARD_START = "    flat_param.alloc_unsharded()\n    shard = flat_param.shard.detach()\n"
+RESHARD_BODY = "    flat_param.free_unsharded()\n"
+GRAD_2 = "test_unshard_gathers_every_rank_shard_and_reshard_frees[gloo-2]"
+TIED_2 = "test_tied_parameters_are_stored_once"
+CLIP = "test_clip_grad_norm_uses_the_global_norm"
+RS_AVG = "test_reduce_scatter_averages_over_ranks"
+RESHARDED = "test_units_are_resharded_after_forward_and_backward"
+SIBLING = "test_tie_across_sibling_units_is_rejected"
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    what: str
+    edits: tuple = ()                 # (task, old, new): old must occur once in that task file
+    select: str = ""                  # -k expression
+    broken: tuple = ()                # substrings of test names that must fail
+    fine: tuple = ()                  # substrings of test names that must pass
+    message: str = ""                 # regex every broken test's output must match
+    max_seconds: float = 40.0         # wall time bound for the whole grading run
+    timeout_cap: float = 6.0          # FSDP_RANK_TIMEOUT_CAP: harness timeouts (a hang costs this much)
+    memory_mb: int = 1024
+    needs_rank_user: bool = False     # only meaningful when rank bodies run as another user
+    forged_results: bool = False      # the submission writes a fake results.json
+
+
+def _insert(task: int, anchor: str, code: str) -> tuple:
+    return (task, anchor, code + anchor)
+
+
+CASES: list[Case] = [
+    Case("hang", "a collective that only rank 0 calls (the others never join it)",
+         edits=(_insert(3, UNSHARD_START,
+                        "    if dist.get_rank() == 0:\n        dist.all_reduce(torch.zeros(3))  # zoo: rank 0 only\n"),),
+         select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
+         message=r"rank \d of 2 .*(timed out|Timed out|timeout|Timeout)"),
+    Case("raise", "one rank raises",
+         edits=(_insert(3, RESHARD_BODY,
+                        "    if dist.get_rank() == 1:\n        raise RuntimeError('zoo: rank 1 gives up')\n"),),
+         select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
+         message=r"rank 1 of 2 raised RuntimeError: zoo: rank 1 gives up"),
+    Case("os_exit", "os._exit(0) in one rank",
+         edits=(_insert(3, UNSHARD_START, "    if dist.get_rank() == 1:\n        import os\n        os._exit(0)\n"),),
+         select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
+         message=r"rank 1 of 2 exited with code 0 without reporting a result"),
+    Case("sys_exit", "sys.exit(0) in one rank",
+         edits=(_insert(3, UNSHARD_START, "    if dist.get_rank() == 1:\n        import sys\n        sys.exit(0)\n"),),
+         select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
+         message=r"rank 1 of 2 called sys\.exit\(0\)"),
+    Case("abort", "os.abort() in one rank",
+         edits=(_insert(3, UNSHARD_START, "    if dist.get_rank() == 0:\n        import os\n        os.abort()\n"),),
+         select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
+         message=r"rank 0 of 2 was killed by signal SIGABRT"),
+    Case("endless_loop", "an endless Python loop in one rank",
+         edits=(_insert(3, UNSHARD_START, "    while dist.get_rank() == 0:\n        pass\n"),),
+         select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
+         message=r"timed out after \d+ s: rank 0 of 2 did not finish(?s:.*)in unshard"),
+    Case("import_error", "a task file imports a module that does not exist",
+         edits=(_insert(6, "import torch.nn as nn\n", "import fsdp_zoo_no_such_module\n"),),
+         select=f"test_prefetch_changes_no_number or {TIED_2}", broken=("test_prefetch_changes_no_number",),
+         fine=(TIED_2,), message=r"ModuleNotFoundError: No module named 'fsdp_zoo_no_such_module'"),
+    Case("syntax_error", "a task file does not parse",
+         edits=((5, "def get_sharded_optimizer(", "def broken(:\n    pass\n\n\ndef get_sharded_optimizer("),),
+         select=f"{CLIP} or {TIED_2}", broken=(CLIP,), fine=(TIED_2,),
+         message=r"SyntaxError"),
+    Case("memory_bomb", "allocates without bound (each rank has a memory limit)",
+         edits=(_insert(5, "    grads = [fp.shard.grad for _, fp in named_flat_params(module)",
+                        "    _zoo = [torch.ones(1 << 22) for _ in range(100_000)]  # 16 MiB at a time, forever\n"),),
+         select=f"{CLIP} or {TIED_2}", broken=(CLIP,), fine=(TIED_2,), memory_mb=256,
+         message=r"out of memory"),
+    Case("forged_results", "writes a fake results.json (full marks) and sums gradients instead of averaging",
+         edits=((4, "op=dist.ReduceOp.AVG", "op=dist.ReduceOp.SUM"),
+                _insert(4, "    if reduce_dtype is not None and unsharded_grad.dtype != reduce_dtype:\n",
+                        "    _zoo_forge()\n")),
+         select=f"{RS_AVG} or {TIED_2}", broken=(RS_AVG,), fine=(TIED_2,), forged_results=True,
+         message=r"MEAN over ranks"),
+    Case("patched_comparisons", "monkeypatches torch's comparisons to always agree, and sums instead of averaging",
+         edits=((4, "op=dist.ReduceOp.AVG", "op=dist.ReduceOp.SUM"),
+                _insert(4, "from .support.state import", "torch.allclose = lambda *a, **k: True\n"
+                        "torch.equal = lambda *a, **k: True\ntorch.Tensor.__eq__ = lambda self, other: True\n"
+                        "torch.testing.assert_close = lambda *a, **k: None\n")),
+         select=f"{RS_AVG} or test_gradient_shards_match_single_process[gloo-2] or {TIED_2}",
+         broken=(RS_AVG, "test_gradient_shards_match_single_process"), fine=(TIED_2,),
+         message=r"(MEAN over ranks|relative error)"),
+    Case("leftovers", "leaves a process group and a non-daemon thread behind (results correct)",
+         edits=(_insert(7, "    if isinstance(module, FSDPModule):\n",
+                        "    import threading, time\n    dist.new_group()\n"
+                        "    threading.Thread(target=time.sleep, args=(3600,), name='zoo-leftover').start()\n"),),
+         select=f"{RESHARDED} or {SIBLING}", fine=(RESHARDED, SIBLING)),
+    Case("escaped_child", "starts a child process in its own session that outlives the rank (results correct)",
+         edits=(_insert(7, "    if isinstance(module, FSDPModule):\n",
+                        "    import subprocess\n    subprocess.Popen(['sleep', '600'], start_new_session=True)\n"),),
+         select=f"{SIBLING}", fine=(SIBLING,), needs_rank_user=True),
+]
+
+FORGE = '''
+
+def _zoo_forge():
+    """Zoo: overwrite the grader's results with full marks (where it can)."""
+    import json as _json, os as _os
+    path = _os.environ.get("FSDP_ZOO_RESULTS")
+    if path:
+        try:
+            with open(path, "w") as f:
+                _json.dump({"score": 1000.0, "output": "forged", "tests": []}, f)
+        except OSError:
+            pass
+'''
+
+
+def case_files(case: Case, root: Path = ROOT) -> dict[str, str]:
+    files = mutations.reference_student_files(root)
+    for task, old, new in case.edits:
+        rel = f"fsdp_assignment/{mutations.TASK_FILES[task]}"
+        if files[rel].count(old) != 1:
+            raise ValueError(f"zoo case {case.id}: {old!r} occurs {files[rel].count(old)} times in {rel}")
+        files[rel] = files[rel].replace(old, new, 1)
+    if case.forged_results:
+        rel = f"fsdp_assignment/{mutations.TASK_FILES[4]}"
+        files[rel] += FORGE
+    return files
+
+
+# ---- processes -------------------------------------------------------------------------------------------
+def tagged_processes(tag: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose environment holds TAG_VAR=tag."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found.append((int(entry), f.read().replace(b"\0", b" ").decode(errors="replace")[:200]))
+        except OSError:
+            continue
+    return found
+
+
+def kill_tagged(tag: str) -> None:
+    for pid, _ in tagged_processes(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+# ---- running a case ---------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    case: Case
+    seconds: float
+    problems: list = field(default_factory=list)
+    results: dict | None = None
+    survivors: list = field(default_factory=list)
+    grader_output: str = ""
+
+
+def run_case(case: Case, workdir: Path, *, rank_user: str = "none", root: Path = ROOT) -> Result:
+    tree = workdir / case.id
+    mutations.stage_tree(tree, case_files(case, root), root)
+    results_dir = workdir / f"{case.id}-results"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    results = results_dir / "results.json"
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, **{TAG_VAR: tag})
+    if case.forged_results:
+        env[RESULTS_VAR] = str(results)
+    cmd = [sys.executable, str(tree / "staff" / "autograder" / "grade.py"), "--results", str(results),
+           "--rank-user", rank_user, "--timeout", str(case.max_seconds * 3), "--timeout-cap", f"{case.timeout_cap:g}",
+           "--rank-memory-mb", str(case.memory_mb), "--", "-k", case.select]
+    if rank_user != "none":
+        from grade import lock_down
+        lock_down(tree)
+        os.chmod(results_dir, 0o755)
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    seconds = time.monotonic() - start
+    time.sleep(0.2)
+    out = Result(case, seconds, grader_output=proc.stdout[-6000:] + proc.stderr[-2000:])
+    out.survivors = tagged_processes(tag)
+    kill_tagged(tag)
+    if out.survivors:
+        out.problems.append(f"processes survived the run: {out.survivors}")
+    if seconds > case.max_seconds:
+        out.problems.append(f"the run took {seconds:.1f} s > {case.max_seconds} s")
+    try:
+        data = json.loads(results.read_text())
+    except (OSError, ValueError) as err:
+        out.problems.append(f"no valid results.json: {err}")
+        return out
+    out.results = data
+    out.problems += [f"schema: {p}" for p in results_schema.validate(data)]
+    tests = data.get("tests", [])
+    if not tests:
+        out.problems.append("results.json lists no tests")
+    if data.get("output") == "forged" or any("forged" in t.get("output", "") for t in tests):
+        out.problems.append("the forged results.json survived")
+    for pattern in case.broken:
+        hit = [t for t in tests if pattern in t["name"]]
+        if not hit:
+            out.problems.append(f"no test matching {pattern!r} was graded")
+        for t in hit:
+            if t["status"] != "failed" or t["score"] != 0:
+                out.problems.append(f"{t['name']}: {t['status']} with {t['score']} points; it must fail")
+            elif case.message and not re.search(case.message, t["output"]):
+                out.problems.append(f"{t['name']}: output does not explain ({case.message!r} not found):\n"
+                                    f"{t['output'][:1500]}")
+    for pattern in case.fine:
+        hit = [t for t in tests if pattern in t["name"]]
+        if not hit:
+            out.problems.append(f"no test matching {pattern!r} was graded")
+        for t in hit:
+            if t["status"] != "passed":
+                out.problems.append(f"{t['name']}: {t['status']}; it must pass:\n{t['output'][:1500]}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--rank-user", default="none")
+    args = parser.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="fsdp-zoo-"))
+    os.chmod(workdir, 0o755)
+    failed = 0
+    try:
+        for case in CASES:
+            if args.only is not None and case.id not in args.only:
+                continue
+            if case.needs_rank_user and args.rank_user == "none":
+                print(f"{case.id:<20} skipped (needs --rank-user)")
+                continue
+            r = run_case(case, workdir, rank_user=args.rank_user)
+            failed += bool(r.problems)
+            print(f"{case.id:<20} {'ok' if not r.problems else 'FAILED'} in {r.seconds:.1f} s")
+            for p in r.problems:
+                print("    " + p.replace("\n", "\n    "))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

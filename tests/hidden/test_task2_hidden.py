@@ -1,0 +1,97 @@
+"""Task 2 (hidden): padding and shard boundaries in the corner cases: W divides numel, W exceeds numel (whole
+shards of padding), a tied weight across shard boundaries; shard_range for every parameter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import adapters
+from fsdp_assignment.support.models import TiedModel
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.task2
+
+WORLD_SIZES = (1, 2, 3, 4, 5)
+
+
+def _linear_8():  # 3 * 2 + 2 = 8 elements: W = 1, 2, 4 divide it, 3 and 5 do not
+    torch.manual_seed(3)
+    return nn.Linear(3, 2)
+
+
+def _scalar():  # 1 element: for W > 1 every rank but the first holds only padding
+    torch.manual_seed(4)
+    return nn.Linear(1, 1, bias=False)
+
+
+def _tied():  # 23 * 11 + 2 * (11 * 11 + 11) = 517 elements, the tied weight stored once, across shards
+    torch.manual_seed(5)
+    return TiedModel()
+
+
+MODULES = {"linear_8": _linear_8, "scalar": _scalar, "tied": _tied}
+
+
+def _layouts(rank, world_size):
+    out = []
+    for name, make in MODULES.items():
+        for w in WORLD_SIZES:
+            for r in range(w):
+                module = make()
+                names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+                fp = adapters.make_flat_param(module, names, r, w)
+                out.append({"module": name, "W": w, "r": r, "numel": int(fp.numel),
+                            "padded_numel": int(fp.padded_numel), "shard_numel": int(fp.shard_numel),
+                            "shard_offset": int(fp.shard_offset), "shard": fp.shard.detach().clone(),
+                            "param_names": list(fp.param_names),
+                            "ranges": {n: [int(x) for x in fp.shard_range(n)] for n in names}})
+    return out
+
+
+def _expected_range(offset: int, numel: int, shard_offset: int, shard_numel: int) -> list[int]:
+    lo, hi = max(offset, shard_offset), min(offset + numel, shard_offset + shard_numel)
+    return [lo - offset, hi - offset, lo - shard_offset] if hi > lo else None
+
+
+@pytest.mark.weight(3)
+def test_padding_edge_cases():
+    (layouts,) = run_ranks(_layouts, 1)
+    for name, make in MODULES.items():
+        module = make()
+        unique = dict(module.named_parameters())  # tied weights once, in registration order
+        aliases = {n: next(u for u, q in unique.items() if q is p)
+                   for n, p in module.named_parameters(remove_duplicate=False)}
+        flat = torch.cat([p.detach().reshape(-1) for p in unique.values()])
+        for w in WORLD_SIZES:
+            shards = sorted((d for d in layouts if d["module"] == name and d["W"] == w), key=lambda d: d["r"])
+            padded = -(-flat.numel() // w) * w
+            where = f"{name} ({flat.numel()} elements) with W={w}"
+            for d in shards:
+                assert d["numel"] == flat.numel(), f"{where}: numel {d['numel']}, expected {flat.numel()}"
+                assert d["padded_numel"] == padded, (
+                    f"{where}: padded_numel {d['padded_numel']}, expected {padded} (the smallest multiple of W "
+                    f"that holds numel: no padding when W divides numel)")
+                assert (d["shard_numel"], d["shard_offset"]) == (padded // w, d["r"] * (padded // w)), \
+                    f"{where}, rank {d['r']}: shard_numel/shard_offset {d['shard_numel']}/{d['shard_offset']}"
+                assert sorted(d["param_names"]) == sorted(unique), \
+                    f"{where}: param_names {d['param_names']} (a tied weight is listed once)"
+            joined = torch.cat([d["shard"] for d in shards])
+            assert torch.equal(joined, F.pad(flat, (0, padded - flat.numel()))), \
+                f"{where}: the shards in rank order must be the flattened parameters and zero padding"
+            offsets, at = {}, 0
+            for u, p in unique.items():
+                offsets[u] = (at, p.numel())
+                at += p.numel()
+            for d in shards:
+                for n, got in d["ranges"].items():
+                    off, numel = offsets[aliases[n]]
+                    expected = _expected_range(off, numel, d["shard_offset"], d["shard_numel"])
+                    if expected is None:
+                        assert got[0] == got[1], f"{where}, rank {d['r']}: shard_range({n!r}) must be empty"
+                    else:
+                        assert got == expected, (f"{where}, rank {d['r']}: shard_range({n!r}) = {tuple(got)}, "
+                                                 f"expected {tuple(expected)} (start, end in the parameter; "
+                                                 f"where that piece starts in the shard)")
