@@ -97,6 +97,9 @@ def test_run_all_quick_writes_tables_json_and_plots(tmp_path):
     unfinished tasks the FSDP rows are listed as not measured and everything else still runs."""
     import json
 
+    import pytest
+
+    pytest.importorskip("matplotlib", reason="the benchmarks' plots need matplotlib: pip install -e .[bench]")
     from benchmarks import run_all
 
     run_all.main(["--quick", "--out", str(tmp_path), "--quiet"])

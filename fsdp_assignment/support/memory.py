@@ -263,8 +263,13 @@ class LiveStorageTracker(TorchDispatchMode):
                     if arg.alias_info is not None and arg.alias_info.is_write:
                         val = kwargs.get(arg.name, args[i] if i < len(args) else None)
                         touched.extend(tree_leaves(val))
-            for st in storages_of([t for t in touched if isinstance(t, torch.Tensor)]):
-                self._observe(st)
+            for t in touched:
+                if type(t) is torch.Tensor or type(t) is nn.Parameter:  # the common case, without storages_of
+                    if t.device.type != "meta":
+                        self._observe(t.untyped_storage())
+                elif isinstance(t, torch.Tensor):  # tensor subclasses (DTensor, ...): their inner tensors
+                    for st in storages_of(t):
+                        self._observe(st)
         return out
 
     def __enter__(self):
