@@ -42,7 +42,7 @@ import threading
 import time
 import tomllib
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable

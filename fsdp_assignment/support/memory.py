@@ -54,7 +54,7 @@ import itertools
 import threading
 import weakref
 from collections import defaultdict, deque
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
