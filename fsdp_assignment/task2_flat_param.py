@@ -64,7 +64,12 @@ class FlatParameter:
         raise NotImplementedError("Task 2: implement FlatParameter.free_unsharded() in fsdp_assignment/task2_flat_param.py (see its docstring)")
 
     def unsharded_views(self) -> list[torch.Tensor]:
-        """One view of ``unsharded`` per unique parameter, with the parameter's shape (no copies)."""
+        """One view of ``unsharded`` per unique parameter, with the parameter's shape (no copies).
+
+        Made with one ``torch.split`` rather than a slice per parameter: autograd then has one node that
+        concatenates all the parameters' gradients into the flat gradient, instead of one node per slice
+        each allocating (and zero-filling) a gradient the size of the whole buffer.
+        """
         raise NotImplementedError("Task 2: implement FlatParameter.unsharded_views() in fsdp_assignment/task2_flat_param.py (see its docstring)")
 
     def use_unsharded_views(self) -> None:

@@ -64,9 +64,9 @@ def pre_forward(unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]
 
 
 def post_forward(unit: FSDPUnit, output):
-    """Runs after ``unit.module.forward``: reshard if ``reshard_after_forward`` (never the root: its
-    parameters are needed again at the very start of backward), and, when autograd is recording, register
-    the pre-backward hook on the output (Task 4). Returns the output."""
+    """Runs after ``unit.module.forward``: reshard if ``unit.reshard_after_forward`` (the root too: the
+    backward re-gathers it first thing), and, when autograd is recording, register the pre-backward hook on
+    the output (Task 4). Returns the output."""
     raise NotImplementedError("Task 3: implement post_forward() in fsdp_assignment/task3_forward.py (see its docstring)")
 
 

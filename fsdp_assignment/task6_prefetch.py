@@ -43,5 +43,6 @@ def prefetch_forward(unit: FSDPUnit) -> None:
 
 def prefetch_backward(unit: FSDPUnit) -> None:
     """Issue the async all-gather of the unit whose backward runs after ``unit``'s: the one that ran right
-    before it in this iteration's forward."""
+    before it in this iteration's forward. The root is the exception: it ran first in forward, and its
+    backward starts first (the loss is its output), so the unit after it is the last one to run forward."""
     raise NotImplementedError("Task 6: implement prefetch_backward() in fsdp_assignment/task6_prefetch.py (see its docstring)")

@@ -122,9 +122,14 @@ class FlatParameter:
 
     # ---- views -------------------------------------------------------------------------------------------
     def unsharded_views(self) -> list[torch.Tensor]:
-        """One view of ``unsharded`` per unique parameter, with the parameter's shape (no copies)."""
-        return [self.unsharded[off:off + n].view(shape)
-                for off, n, shape in zip(self.param_offsets, self.numels, self.shapes)]
+        """One view of ``unsharded`` per unique parameter, with the parameter's shape (no copies).
+
+        Made with one ``torch.split`` rather than a slice per parameter: autograd then has one node that
+        concatenates all the parameters' gradients into the flat gradient, instead of one node per slice
+        each allocating (and zero-filling) a gradient the size of the whole buffer.
+        """
+        pieces = torch.split(self.unsharded, self.numels + [self.padded_numel - self.numel])
+        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
 
     def use_unsharded_views(self) -> None:
         """Point every original parameter name (aliases included) at its view of the unsharded buffer.

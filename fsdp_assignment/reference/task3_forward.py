@@ -110,10 +110,10 @@ def pre_forward(unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]
 
 
 def post_forward(unit: FSDPUnit, output):
-    """Runs after ``unit.module.forward``: reshard if ``reshard_after_forward`` (never the root: its
-    parameters are needed again at the very start of backward), and, when autograd is recording, register
-    the pre-backward hook on the output (Task 4). Returns the output."""
-    if unit.reshard_after_forward and not unit.is_root:
+    """Runs after ``unit.module.forward``: reshard if ``unit.reshard_after_forward`` (the root too: the
+    backward re-gathers it first thing), and, when autograd is recording, register the pre-backward hook on
+    the output (Task 4). Returns the output."""
+    if unit.reshard_after_forward:
         reshard_unit(unit)
     unit.training_state = TrainingState.IDLE
     if torch.is_grad_enabled():

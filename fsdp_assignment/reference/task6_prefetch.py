@@ -63,9 +63,12 @@ def prefetch_forward(unit: FSDPUnit) -> None:
 
 def prefetch_backward(unit: FSDPUnit) -> None:
     """Issue the async all-gather of the unit whose backward runs after ``unit``'s: the one that ran right
-    before it in this iteration's forward."""
+    before it in this iteration's forward. The root is the exception: it ran first in forward, and its
+    backward starts first (the loss is its output), so the unit after it is the last one to run forward."""
     order = unit.shared.recording_order
     if unit in order:
         i = order.index(unit)
         if i >= 1:
             _issue_unshard(order[i - 1])
+        elif len(order) > 1:
+            _issue_unshard(order[-1])

@@ -88,10 +88,9 @@ def local_batch(cfg: GPTConfig, rank: int, world_size: int, step: int, per_rank:
     return idx[rows].to(device), tgt[rows].to(device)
 
 
-def unsharded_storage_sizes(module: nn.Module, *, include_root: bool = True) -> list[int]:
+def unsharded_storage_sizes(module: nn.Module) -> list[int]:
     """Storage bytes of every unit's unsharded buffer (0 = resharded), in module pre-order."""
-    return [fp.unsharded.untyped_storage().size() for u in fsdp_units(module) if include_root or not u.is_root
-            for fp in u.flat_params]
+    return [fp.unsharded.untyped_storage().size() for u in fsdp_units(module) for fp in u.flat_params]
 
 
 # ---- parent-side ------------------------------------------------------------------------------------------

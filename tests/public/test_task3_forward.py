@@ -54,7 +54,7 @@ def _forward(rank, world_size, reshard_after_forward):
     with torch.no_grad():
         logits = model(idx)
         logits_again = model(idx)  # a second forward re-gathers (or reuses) correctly
-    return {"logits": logits, "again": logits_again, "sizes": unsharded_storage_sizes(model, include_root=False)}
+    return {"logits": logits, "again": logits_again, "sizes": unsharded_storage_sizes(model)}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -72,7 +72,7 @@ def test_forward_matches_single_process(world_size, reshard_after_forward):
         assert_close(got["again"], expected, f"rank {rank}: logits of a second forward", rtol=1e-6)
         if reshard_after_forward:
             assert all(s == 0 for s in got["sizes"]), \
-                f"rank {rank}: after forward with reshard_after_forward=True every non-root unit must be resharded " \
+                f"rank {rank}: after forward with reshard_after_forward=True every unit must be resharded " \
                 f"(unsharded storage sizes {got['sizes']})"
         else:
             assert all(s > 0 for s in got["sizes"]), \

@@ -65,8 +65,7 @@ def _memory_states(rank, world_size):
     units = adapters.fsdp_units(model)
     idx, tgt = local_batch(CFG, rank, world_size, 0)
     loss = gpt_loss(model, idx, tgt)
-    after_forward = {"root": [fp.unsharded.untyped_storage().size() for u in units if u.is_root for fp in u.flat_params],
-                     "others": [fp.unsharded.untyped_storage().size() for u in units if not u.is_root for fp in u.flat_params]}
+    after_forward = [fp.unsharded.untyped_storage().size() for u in units for fp in u.flat_params]
     loss.backward()
     after_backward = {"sizes": [fp.unsharded.untyped_storage().size() for u in units for fp in u.flat_params],
                       "full_grads": sum(fp.unsharded.grad is not None for u in units for fp in u.flat_params),
@@ -76,9 +75,9 @@ def _memory_states(rank, world_size):
 
 def test_units_are_resharded_after_forward_and_backward():
     for rank, got in enumerate(run_ranks(_memory_states, 2)):
-        assert got["forward"]["others"] and all(s == 0 for s in got["forward"]["others"]), \
-            f"rank {rank}: every non-root unit must be resharded (storage size 0) after forward: {got['forward']['others']}"
-        assert all(s > 0 for s in got["forward"]["root"]), "the root stays unsharded after forward (backward needs it first)"
+        assert got["forward"] and all(s == 0 for s in got["forward"]), \
+            f"rank {rank}: with reshard_after_forward=True every unit must be resharded (storage size 0) after " \
+            f"forward: {got['forward']}"
         assert all(s == 0 for s in got["backward"]["sizes"]), f"rank {rank}: units unsharded after backward"
         assert got["backward"]["full_grads"] == 0, f"rank {rank}: full (unsharded) gradients alive after backward"
         assert all("_fsdp_flat_param" in n for n in got["backward"]["param_names"]), \
