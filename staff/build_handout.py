@@ -15,9 +15,11 @@ through ``sys.inputs``, so that the handout uses the same words as the files stu
 - the writeup's sections and questions (``WRITEUP_TEMPLATE.md``);
 - the README's set-up commands (install and test), as ``staff/release.py`` reads them.
 
-Staleness: ``source_digest()`` hashes the handout's Typst sources, this script, and the JSON inputs above (content
-only, line endings normalised: no mtimes, so a fresh clone checks the same). The build writes that digest and the
-PDF's own SHA-256 to ``handout/build-stamp.json`` and puts the digest in the PDF's metadata (keywords).
+Staleness: ``source_parts()`` hashes each of the handout's Typst sources, this script, and the JSON inputs above
+(content only, line endings normalised: no mtimes, so a fresh clone checks the same; the stub API task by task);
+``source_digest()`` hashes those hashes. The build writes the digest, the parts and the PDF's own SHA-256 to
+``handout/build-stamp.json`` and puts the digest in the PDF's metadata (keywords), so a stale PDF names what
+changed.
 ``tests/staff/test_handout.py`` (marker ``staff``) recomputes the digest and fails when either differs, with the
 command to run. The build is deterministic (no timestamp, Typst's embedded fonts only): building twice gives the
 same bytes.
@@ -284,18 +286,34 @@ def _source_files() -> list[Path]:
     return sorted(files) + [Path(__file__).resolve()]
 
 
-def source_digest(build_inputs: dict[str, str] | None = None) -> str:
-    """SHA-256 over the handout's sources (content only, LF line endings) and the build inputs."""
+def source_parts(build_inputs: dict[str, str] | None = None) -> dict[str, str]:
+    """What the PDF is made of, part by part -> SHA-256 of its content (LF line endings): each handout source
+    file, this script, and each build input (the stub API task by task, so a stale PDF names the stub)."""
     build_inputs = inputs() if build_inputs is None else build_inputs
-    h = hashlib.sha256()
+    parts: dict[str, str] = {}
     for path in _source_files():
-        h.update(path.relative_to(ROOT).as_posix().encode() + b"\0")
         data = path.read_bytes()
         if path.suffix in (".typ", ".py", ".md", ".json", ".txt"):
             data = data.replace(b"\r\n", b"\n")
-        h.update(hashlib.sha256(data).digest())
-    for key in sorted(build_inputs):
-        h.update(key.encode() + b"\0" + hashlib.sha256(build_inputs[key].encode()).digest())
+        parts[path.relative_to(ROOT).as_posix()] = hashlib.sha256(data).hexdigest()
+    labels = {"writeup": "the writeup questions in WRITEUP_TEMPLATE.md", "setup": "the set-up commands in README.md",
+              "points": "the points table (" + ", ".join(rel for rel, _ in POINTS_SOURCES) + ")"}
+    for key, value in sorted(build_inputs.items()):
+        if key == "api":
+            for n, task in sorted(json.loads(value).items()):
+                parts[f"the signatures and docstrings of {task['file']}"] = hashlib.sha256(
+                    json.dumps(task, sort_keys=True).encode()).hexdigest()
+        else:
+            parts[labels.get(key, f"build input {key}")] = hashlib.sha256(value.encode()).hexdigest()
+    return parts
+
+
+def source_digest(build_inputs: dict[str, str] | None = None, parts: dict[str, str] | None = None) -> str:
+    """SHA-256 over every part of ``source_parts`` (names and contents): the one number the PDF carries."""
+    parts = source_parts(build_inputs) if parts is None else parts
+    h = hashlib.sha256()
+    for name in sorted(parts):
+        h.update(name.encode() + b"\0" + parts[name].encode() + b"\n")
     return h.hexdigest()
 
 
@@ -311,10 +329,11 @@ def check() -> list[str]:
     if not STAMP.exists():
         return [f"{STAMP.relative_to(ROOT)} is missing"]
     stamp = json.loads(STAMP.read_text(encoding="utf-8"))
-    digest = source_digest()
-    if stamp.get("sources_sha256") != digest:
-        problems.append("the handout's sources (handout/*, the task stubs' docstrings, the points table, "
-                        "WRITEUP_TEMPLATE.md or the README's set-up commands) changed since handout.pdf was built")
+    parts = source_parts()
+    if stamp.get("sources_sha256") != source_digest(parts=parts):
+        built = stamp.get("parts", {})
+        changed = sorted(name for name in parts.keys() | built.keys() if parts.get(name) != built.get(name))
+        problems.append("its sources changed since handout.pdf was built: " + ("; ".join(changed) or "(unknown)"))
     if stamp.get("pdf_sha256") != file_sha256(PDF):
         problems.append("handout.pdf is not the file the last build wrote (edited or replaced by hand?)")
     elif stamp.get("sources_sha256", "").encode() not in PDF.read_bytes():
@@ -328,7 +347,8 @@ def build() -> Path:
     except ImportError:
         sys.exit("build_handout: the typst package is missing: pip install typst   (or pip install -e '.[handout]')")
     build_inputs = inputs()
-    digest = source_digest(build_inputs)
+    parts = source_parts(build_inputs)
+    digest = source_digest(parts=parts)
     sys_inputs = dict(build_inputs, source_digest=digest)
     try:
         pdf = typst.compile(str(MAIN), root=str(ROOT), ignore_system_fonts=True, sys_inputs=sys_inputs)
@@ -342,6 +362,7 @@ def build() -> Path:
         "pdf_sha256": hashlib.sha256(pdf).hexdigest(),
         "typst": getattr(typst, "__version__", "unknown"),
         "rebuild": BUILD_COMMAND,
+        "parts": parts,
     }, indent=2) + "\n", encoding="utf-8")
     return PDF
 
