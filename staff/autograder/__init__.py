@@ -1,8 +1,29 @@
-"""The autograder: the grading pytest plugin, the grading command, the Gradescope bundle, and its self-tests.
+"""The autograder: grading plugin and command, the Gradescope bundle, and their self-tests (staff only).
 
-    grading_plugin.py   pytest plugin: points per test, per-task score table, Gradescope results.json as it goes
-    grade.py            the grading command (runs pytest with the plugin, isolated), and Gradescope's entry point
-    build_bundle.py     builds the Gradescope autograder zip (setup.sh, run_autograder, the staff tree, no reference)
-    mutations.py        seeded bugs of the reference; the suite must catch them (staff only, not in the bundle)
-    zoo.py              broken submissions the grader must survive (staff only, not in the bundle)
+    grading_plugin.py   pytest plugin: points per test (tests/points.py), per-task score table, Gradescope's
+                        results.json written as the run goes (complete at every moment)
+    grade.py            the grading command; also Gradescope's entry point (run_autograder calls it)
+    build_bundle.py     builds the Gradescope zip: setup.sh, run_autograder, the staff tree with the stubs and
+                        the public and hidden tests; refuses to build if any of the reference is inside
+    results_schema.py   checks a results.json against Gradescope's format (CI)
+    mutations.py        seeded bugs of the reference the suite must kill (CI; never shipped)
+    zoo.py              broken submissions the grader must survive (CI; never shipped)
+
+Grade this tree's task files (what CI and staff use):
+
+    python staff/autograder/grade.py --results results.json [-- -m task3 -x ...]
+
+which runs, in a child process group it kills at --timeout:
+
+    PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 FSDP_IMPL=student FSDP_RANK_MEMORY_LIMIT_BYTES=... [FSDP_RANK_USER=...] \\
+    python -m pytest -p staff.autograder.grading_plugin -p pytest_timeout -p no:cacheprovider \\
+        -c pyproject.toml --rootdir . --confcutdir . --continue-on-collection-errors \\
+        --grade-results results.json --grade-budget 480 tests/public tests/hidden
+
+Build the Gradescope bundle:
+
+    python staff/autograder/build_bundle.py --out dist/autograder.zip
+
+Self-tests (marker ``staff``): tests/staff/test_grading_plugin.py, test_autograder_bundle.py, test_zoo.py,
+test_mutations.py; by hand: ``python staff/autograder/mutations.py`` and ``python staff/autograder/zoo.py``.
 """

@@ -4,7 +4,7 @@
     python staff/autograder/grade.py --autograder-root /autograder    # Gradescope (run_autograder calls this)
 
 Options: ``--budget S`` (tests not started by then are not run; default: --timeout minus 60 s), ``--timeout S``
-(the whole pytest run is killed after S seconds; default 1500), ``--rank-user USER`` (run rank bodies as this
+(the whole pytest run is killed after S seconds; default 540), ``--rank-user USER`` (run rank bodies as this
 unprivileged user when grading as root; ``none`` to never; default ``fsdp_student``), ``--rank-memory-mb N`` (each
 rank's memory limit above its start-up usage; default 1024), ``--timeout-cap S`` (cap every harness timeout, for
 the staff's own tests of broken submissions). Anything after ``--`` goes to pytest (``-k``, ``-m``, ``-x``, ...).
@@ -36,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 TREE = HERE.parents[1]  # the tree this script belongs to: <tree>/staff/autograder/grade.py
 DEFAULT_RANK_USER = "fsdp_student"
-DEFAULT_TIMEOUT_S = 1500
+DEFAULT_TIMEOUT_S = 540  # a minute under the smallest Gradescope limit (10 min); raise it with the limit
 DEFAULT_RANK_MEMORY_MB = 1024
 MAX_SUBMITTED_FILE_BYTES = 1 << 20
 TEST_DIRS = ("tests/public", "tests/hidden")
@@ -103,11 +103,16 @@ def stage_tree(source: Path, dest: Path) -> None:
 
 
 def lock_down(tree: Path) -> None:
-    """Owned by us, readable by everyone, writable by no one else."""
+    """Owned by us, readable by everyone, writable by no one else; the hidden tests readable by us only (a rank
+    imports its test module before it drops to the rank user, so student code can neither read them nor copy
+    them into a visible test's output)."""
     for dirpath, dirnames, filenames in os.walk(tree):
         os.chmod(dirpath, 0o755)
         for name in filenames:
             os.chmod(os.path.join(dirpath, name), 0o644)
+    hidden = tree / "tests" / "hidden"
+    if hidden.is_dir():
+        os.chmod(hidden, 0o700)
     path = tree
     while path != path.parent:  # every directory above must let the rank user through
         try:

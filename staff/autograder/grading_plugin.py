@@ -198,6 +198,11 @@ class Grader:
             rec.number = f"{rec.task}.{per_task[rec.task]}"
         self.write()
 
+    def pytest_collectreport(self, report) -> None:
+        if report.failed:  # a staff problem (test modules never import student code), but say so
+            self.notes.append(f"collection error in {report.nodeid or 'the test tree'} (tell the course staff): "
+                              f"{str(report.longrepr)[-1500:]}")
+
     # ---- running ----------------------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item, nextitem):

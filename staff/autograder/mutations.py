@@ -41,6 +41,25 @@ TASK_FILES = {1: "task1_meta_init.py", 2: "task2_flat_param.py", 3: "task3_forwa
               7: "task7_fully_shard.py"}
 
 
+# The student bugs the autograder issue names: each must be seeded by at least one mutant, and killed.
+ISSUE_BUGS = (
+    "padding wrong when W does not divide numel",
+    "gradients summed instead of averaged",
+    "padding gradients not zeroed",
+    "nested units' parameters counted twice",
+    "tied weights updated twice, or once on the wrong rank",
+    "a reshard that drops the reference but keeps the storage",
+    "no re-gather in backward after reshard",
+    "reduce-scatter not finished before step",
+    "clip norm computed locally",
+    "optimizer state replicated instead of sharded",
+    "prefetch that waits on the wrong handle or keeps every unit unsharded",
+    "meta init that consumes the RNG in another order",
+    "mixed precision reducing in the wrong dtype",
+    "gradient accumulation that syncs too early or drops a micro-batch",
+)
+
+
 @dataclass(frozen=True)
 class Mutant:
     id: str
@@ -108,7 +127,7 @@ MUTANTS: list[Mutant] = [
            "uses the flat offset, not the offset inside the shard: pieces land on the wrong rank's slots",
            "tied weights updated twice, or once on the wrong rank", "test_padding_edge_cases"),
     # ---- Task 3: forward -----------------------------------------------------------------------------------
-    Mutant("m13", 3, "    if unit.reshard_after_forward and not unit.is_root:\n        reshard_unit(unit)",
+    Mutant("m13", 3, "    if unit.reshard_after_forward:\n        reshard_unit(unit)",
            "    if False:\n        reshard_unit(unit)",
            "never reshards after forward"),
     Mutant("m14", 3, "    elif unit.sharded_state == ShardedState.SHARDED:\n        for flat_param in unit.flat_params:\n"
@@ -272,7 +291,7 @@ def grade(tree: Path, results: Path, pytest_args: list[str], *, timeout: float =
           env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(tree / "staff" / "autograder" / "grade.py"), "--results", str(results),
            "--rank-user", "none", "--timeout", f"{timeout:g}", "--timeout-cap", f"{timeout_cap:g}", "--", *pytest_args]
-    return subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env)
+    return subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env, timeout=timeout + 120)
 
 
 def first_failure(results: dict) -> dict | None:

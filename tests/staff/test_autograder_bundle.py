@@ -1,0 +1,160 @@
+"""The Gradescope bundle end to end (staff/autograder/build_bundle.py, grade.py).
+
+The bundle is built, checked for the reference (none may be inside: a planted copy must be caught), unzipped
+into a fresh directory laid out like Gradescope's /autograder (source/, submission/, results/, run_autograder),
+set up with setup.sh (its install step skipped: this machine's torch is used, nothing is downloaded), and then
+run_autograder grades two submissions:
+
+- the reference's task files in the students' layout, zipped the way make_submission.sh does, next to a hostile
+  conftest.py, pytest.ini and pyproject.toml that must be ignored -> full marks, every graded test passed, within
+  the time budget of a whole grading run (90 s on the 2-core CI machine; this test measures it);
+- the stubs, uploaded as loose files, one missing -> 0 points; every test says which task and function to
+  implement, and the output says which file was missing.
+
+Both results.json files must validate against Gradescope's schema. About two minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "staff" / "autograder"))
+import build_bundle  # noqa: E402
+import mutations  # noqa: E402
+import results_schema  # noqa: E402
+
+pytestmark = [pytest.mark.staff, pytest.mark.timeout(900)]
+
+WHOLE_RUN_BUDGET_S = float(os.environ.get("FSDP_GRADING_BUDGET_S", "90"))
+HOSTILE_CONFTEST = """
+import pytest
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    outcome.get_result().outcome = "passed"   # a submission must never get to run this
+"""
+
+
+def _points():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_points", ROOT / "tests" / "points.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundle") / "autograder.zip"
+    build_bundle.build(out)
+    return out
+
+
+def test_bundle_contents_and_no_reference(bundle):
+    with zipfile.ZipFile(bundle) as zf:
+        entries = {info.filename: zf.read(info) for info in zf.infolist()}
+        modes = {info.filename: (info.external_attr >> 16) & 0o777 for info in zf.infolist()}
+    assert {"setup.sh", "run_autograder"} <= set(entries)
+    assert modes["setup.sh"] & 0o111 and modes["run_autograder"] & 0o111, "the scripts must be executable"
+    for needed in ("adapters.py", "tests/harness.py", "tests/conftest.py", "tests/points.py",
+                   "staff/autograder/grade.py", "staff/autograder/grading_plugin.py"):
+        assert needed in entries
+    assert any(n.startswith("tests/hidden/test_") for n in entries) and any(n.startswith("tests/public/test_")
+                                                                            for n in entries)
+    assert not any("reference" in n.lower() for n in entries)
+    assert not any(n.endswith(("mutations.py", "zoo.py")) for n in entries), "staff-only tools must stay out"
+    assert build_bundle.check_no_reference(entries) == []
+    # The check catches a planted copy, under any name, and a stub replaced by the solution.
+    planted = dict(entries)
+    planted["fsdp_assignment/support/extra.py"] = (ROOT / "fsdp_assignment" / "reference" /
+                                                   "task4_backward.py").read_bytes()
+    assert any("task4_backward.py" in p for p in build_bundle.check_no_reference(planted))
+    swapped = dict(entries)
+    swapped["fsdp_assignment/task6_prefetch.py"] = mutations.reference_student_files()[
+        "fsdp_assignment/task6_prefetch.py"].encode()
+    assert any("not the generated stub" in p for p in build_bundle.check_no_reference(swapped))
+
+
+@pytest.fixture(scope="module")
+def autograder(bundle, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("gradescope") / "autograder"
+    (root / "source").mkdir(parents=True)
+    with zipfile.ZipFile(bundle) as zf:
+        zf.extractall(root / "source")
+    for name in ("setup.sh", "run_autograder"):
+        os.chmod(root / "source" / name, 0o755)
+    shutil.copy2(root / "source" / "run_autograder", root / "run_autograder")  # as Gradescope does
+    env = dict(os.environ, AUTOGRADER_ROOT=str(root), FSDP_AUTOGRADER_SKIP_INSTALL="1",
+               FSDP_AUTOGRADER_NO_USERADD="1")
+    proc = subprocess.run(["bash", str(root / "source" / "setup.sh")], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return root
+
+
+def _grade(root: Path, files: dict[str, bytes]) -> tuple[dict, float, str]:
+    for d in ("submission", "results"):
+        shutil.rmtree(root / d, ignore_errors=True)
+        (root / d).mkdir()
+    for rel, data in files.items():
+        path = root / "submission" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "PYTEST_"))}
+    env.update(AUTOGRADER_ROOT=str(root), FSDP_AUTOGRADER_PYTHON=sys.executable)
+    start = time.monotonic()
+    proc = subprocess.run([str(root / "run_autograder")], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=900)
+    seconds = time.monotonic() - start
+    results = root / "results" / "results.json"
+    assert results.exists(), proc.stdout[-5000:] + proc.stderr[-3000:]
+    data = json.loads(results.read_text())
+    assert results_schema.validate(data) == [], results_schema.validate(data)
+    return data, seconds, proc.stdout
+
+
+def test_reference_gets_full_marks(autograder):
+    files = {rel: text.encode() for rel, text in mutations.reference_student_files().items()}
+    files.update({"WRITEUP.md": b"# writeup\n", "benchmarks/results/memory.json": b"{}",
+                  "conftest.py": HOSTILE_CONFTEST.encode(), "tests/conftest.py": HOSTILE_CONFTEST.encode(),
+                  "pytest.ini": b"[pytest]\naddopts = -p no:terminal\n",
+                  "pyproject.toml": b"[tool.pytest.ini_options]\naddopts = '--collect-only'\n"})
+    data, seconds, stdout = _grade(autograder, files)
+    failed = [t["name"] + "\n" + t["output"][:1500] for t in data["tests"] if t["status"] != "passed"]
+    assert not failed, "\n\n".join(failed)
+    assert data["score"] == pytest.approx(_points().total_points(), abs=0.01)
+    visibilities = {t["visibility"] for t in data["tests"]}
+    assert visibilities == {"visible", "after_published"}
+    tasks = {int(t["number"].split(".")[0]) for t in data["tests"]}
+    assert tasks == set(_points().TASK_POINTS)
+    print(f"\nwhole grading run (public + hidden, {len(data['tests'])} tests) through run_autograder: "
+          f"{seconds:.1f} s wall; pytest's own execution_time {data['execution_time']} s")
+    assert seconds <= WHOLE_RUN_BUDGET_S, (f"a whole grading run took {seconds:.1f} s > {WHOLE_RUN_BUDGET_S} s; "
+                                           f"the slowest tests:\n{stdout[-3000:]}")
+
+
+def test_stubs_get_zero_and_say_what_to_implement(autograder):
+    stubs = {Path(rel).name: (ROOT / rel).read_bytes() for rel in mutations.reference_student_files()}
+    del stubs["task7_fully_shard.py"]  # a file the student forgot: graded as the stub, and said so
+    data, seconds, _ = _grade(autograder, stubs)
+    assert data["score"] == 0
+    assert "task7_fully_shard.py: not found in your submission" in data["output"]
+    for t in data["tests"]:
+        assert t["status"] == "failed" and t["score"] == 0, t["name"]
+        own_task = int(t["number"].split(".")[0])
+        assert t["output"].startswith(f"Task {own_task} ("), t["output"][:200]
+        m = re.search(r"NotImplementedError: Task (\d): implement (\S+)", t["output"])
+        assert m, f"{t['name']}: the output does not name the task and function to implement:\n{t['output'][:1500]}"
+    print(f"\nstubs graded in {seconds:.1f} s")

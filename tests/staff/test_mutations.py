@@ -1,0 +1,61 @@
+"""The mutation self-test (staff/autograder/mutations.py) in CI.
+
+Fast: every mutant still applies to the current reference (one exact edit) and compiles; together they seed every
+bug the autograder issue names; every hidden test is the target of some mutant.
+
+Slow (a few minutes, 2 workers): the public + hidden suite kills at least 95% of the mutants, every mutant
+that seeds one of the issue's bugs among them, and each hidden test is the one that kills at least one of its
+target mutants (it runs first for them), i.e. every hidden test is shown to catch a real bug.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "staff" / "autograder"))
+import mutations  # noqa: E402
+
+pytestmark = pytest.mark.staff
+
+
+def hidden_tests() -> set[str]:
+    names = set()
+    for path in (ROOT / "tests" / "hidden").glob("test_*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                names.add(node.name)
+    return names
+
+
+def test_mutants_apply_and_cover_the_issue():
+    ids = [m.id for m in mutations.MUTANTS]
+    assert len(ids) == len(set(ids)) and len(ids) >= 25
+    for m in mutations.MUTANTS:
+        mutations.mutated_files(m)  # raises when the edit no longer matches the reference, or does not compile
+        assert m.issue_bug in ("", *mutations.ISSUE_BUGS), f"{m.id}: unknown issue bug {m.issue_bug!r}"
+    seeded = {m.issue_bug for m in mutations.MUTANTS}
+    assert set(mutations.ISSUE_BUGS) <= seeded, f"not seeded: {set(mutations.ISSUE_BUGS) - seeded}"
+    targets = {m.target for m in mutations.MUTANTS if m.target}
+    assert targets <= hidden_tests(), f"targets that are no hidden test: {targets - hidden_tests()}"
+    assert hidden_tests() <= targets, f"hidden tests no mutant targets: {hidden_tests() - targets}"
+
+
+@pytest.mark.timeout(1800)
+def test_the_suite_kills_the_mutants():
+    start = time.monotonic()
+    outcomes = mutations.run_all(mutations.MUTANTS, workers=2, log=lambda line: None)
+    report = mutations.report(outcomes) + f"\nwall time {time.monotonic() - start:.1f} s"
+    print("\n" + report)
+    killed = [o for o in outcomes if o.killed]
+    assert len(killed) / len(outcomes) >= mutations.KILL_RATE_REQUIRED, report
+    survivors = [o.mutant.id for o in outcomes if not o.killed and o.mutant.issue_bug]
+    assert not survivors, f"mutants seeding the issue's bugs survived: {survivors}\n{report}"
+    shown = {o.mutant.target for o in killed if o.mutant.target and o.killer.endswith("::" + o.mutant.target)}
+    assert hidden_tests() <= shown, (f"hidden tests never shown to catch their target mutant: "
+                                     f"{hidden_tests() - shown}\n{report}")
