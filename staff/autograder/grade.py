@@ -86,11 +86,35 @@ def find_submitted(submission: Path, wanted: list[str]) -> tuple[dict[str, Path]
     return found, notes
 
 
-def install_submission(tree: Path, found: dict[str, Path]) -> None:
+def find_in_zips(submission: Path, wanted: list[str]) -> tuple[dict[str, bytes], list[str]]:
+    """Task files inside a .zip uploaded as is (make_submission.sh's zip, not unzipped): exact path first, else by
+    file name; read in memory, never extracted."""
+    import zipfile
+    found: dict[str, bytes] = {}
+    notes: list[str] = []
+    for archive in sorted(submission.rglob("*.zip")) if submission.is_dir() else []:
+        try:
+            with zipfile.ZipFile(archive) as zf:
+                infos = [i for i in zf.infolist() if not i.is_dir() and "__MACOSX" not in i.filename]
+                for want in wanted:
+                    if want in found:
+                        continue
+                    hits = [i for i in infos if i.filename == want] or \
+                        [i for i in infos if i.filename.rsplit("/", 1)[-1] == Path(want).name]
+                    if hits and hits[0].file_size <= MAX_SUBMITTED_FILE_BYTES:
+                        found[want] = zf.read(hits[0])
+                        notes.append(f"{want}: taken from {archive.name}/{hits[0].filename}")
+        except (zipfile.BadZipFile, OSError):
+            continue
+    return found, notes
+
+
+def install_submission(tree: Path, found: dict[str, Path | bytes]) -> None:
     for rel, src in found.items():
         dest = tree / rel
         dest.unlink(missing_ok=True)
-        dest.write_bytes(src.read_bytes())  # contents only: no mode, owner or link comes along
+        # contents only: no mode, owner or link comes along
+        dest.write_bytes(src if isinstance(src, bytes) else src.read_bytes())
 
 
 def stage_tree(source: Path, dest: Path) -> None:
@@ -282,7 +306,14 @@ def main(argv: list[str] | None = None) -> int:
         root = args.autograder_root.resolve()
         source, tree = root / "source", root / "grading"
         stage_tree(source, tree)
-        found, notes = find_submitted(root / "submission", task_files(tree))
+        wanted = task_files(tree)
+        found, notes = find_submitted(root / "submission", wanted)
+        missing = [w for w in wanted if w not in found]
+        if missing:  # maybe the zip itself was uploaded
+            zipped, zip_notes = find_in_zips(root / "submission", missing)
+            if zipped:
+                found.update(zipped)
+                notes = [n for n in notes if n.split(":", 1)[0] not in zipped] + zip_notes
         install_submission(tree, found)
         lock_down(tree)
         results = args.results or root / "results" / "results.json"

@@ -264,8 +264,23 @@ class Grader:
         terminalreporter.write_sep("=", "FSDP assignment: score by task")
         for line in self.table().splitlines():
             terminalreporter.write_line(line)
+        terminalreporter.write_sep("-", "time by task (seconds in test calls)")
+        for line in self.timing().splitlines():
+            terminalreporter.write_line(line)
         if self.results_path:
             terminalreporter.write_line(f"results: {self.results_path}")
+
+    def timing(self) -> str:
+        rows, total_calls = [], 0.0
+        for task in self.points.TASK_POINTS:
+            pub = sum(r.duration for r in self.records.values() if r.task == task and not r.hidden)
+            hid = sum(r.duration for r in self.records.values() if r.task == task and r.hidden)
+            total_calls += pub + hid
+            rows.append(f"task {task}: public {pub:6.1f}  hidden {hid:6.1f}")
+        elapsed = time.time() - self.start
+        rows.append(f"all test calls {total_calls:.1f} s; session {elapsed:.1f} s (the rest: collection, "
+                    f"forkserver start-up, setup/teardown)")
+        return "\n".join(rows)
 
     # ---- results ----------------------------------------------------------------------------------------
     final = False
