@@ -9,7 +9,10 @@ run_autograder grades two submissions:
   conftest.py, pytest.ini and pyproject.toml that must be ignored -> full marks, every graded test passed, within
   the time budget of a whole grading run (90 s on the 2-core CI machine; this test measures it);
 - the stubs, uploaded as loose files, one missing -> 0 points; every test says which task and function to
-  implement, and the output says which file was missing.
+  implement, and the output says which file was missing;
+- a broken submission (two zoo cases: a collective only rank 0 calls, and a results.json forged at the
+  grader's results path with summed gradients) on three tests -> the broken tests fail and say why, the
+  other passes, the forgery is gone, no process survives.
 
 Both results.json files must validate against Gradescope's schema. About two minutes.
 """
@@ -33,6 +36,7 @@ sys.path.insert(0, str(ROOT / "staff" / "autograder"))
 import build_bundle  # noqa: E402
 import mutations  # noqa: E402
 import results_schema  # noqa: E402
+import zoo  # noqa: E402
 
 pytestmark = [pytest.mark.staff, pytest.mark.timeout(900)]
 
@@ -104,7 +108,7 @@ def autograder(bundle, tmp_path_factory) -> Path:
     return root
 
 
-def _grade(root: Path, files: dict[str, bytes]) -> tuple[dict, float, str]:
+def _grade(root: Path, files: dict[str, bytes], *args: str, env_extra: dict | None = None) -> tuple[dict, float, str]:
     for d in ("submission", "results"):
         shutil.rmtree(root / d, ignore_errors=True)
         (root / d).mkdir()
@@ -113,9 +117,9 @@ def _grade(root: Path, files: dict[str, bytes]) -> tuple[dict, float, str]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "PYTEST_"))}
-    env.update(AUTOGRADER_ROOT=str(root), FSDP_AUTOGRADER_PYTHON=sys.executable)
+    env.update(AUTOGRADER_ROOT=str(root), FSDP_AUTOGRADER_PYTHON=sys.executable, **(env_extra or {}))
     start = time.monotonic()
-    proc = subprocess.run([str(root / "run_autograder")], cwd=root, env=env, capture_output=True, text=True,
+    proc = subprocess.run([str(root / "run_autograder"), *args], cwd=root, env=env, capture_output=True, text=True,
                           timeout=900)
     seconds = time.monotonic() - start
     results = root / "results" / "results.json"
@@ -158,3 +162,26 @@ def test_stubs_get_zero_and_say_what_to_implement(autograder):
         m = re.search(r"NotImplementedError: Task (\d): implement (\S+)", t["output"])
         assert m, f"{t['name']}: the output does not name the task and function to implement:\n{t['output'][:1500]}"
     print(f"\nstubs graded in {seconds:.1f} s")
+
+
+def test_broken_submission_through_the_bundle(autograder):
+    """Two zoo cases in one submission, graded through run_autograder on a few tests: a collective only rank 0
+    calls (a hang), and a results.json forged at Gradescope's results path plus summed gradients."""
+    cases = {c.id: c for c in zoo.CASES}
+    both = zoo.Case("hang+forged", "both", edits=cases["hang"].edits + cases["forged_results"].edits,
+                    forged_results=True)
+    files = {rel: text.encode() for rel, text in zoo.case_files(both).items()}
+    tag = os.urandom(8).hex()
+    results_path = autograder / "results" / "results.json"
+    select = f"{zoo.GRAD_2} or {zoo.RS_AVG} or {zoo.TIED_2}"
+    data, seconds, stdout = _grade(autograder, files, "--timeout-cap", "6", "--", "-k", select,
+                                   env_extra={zoo.TAG_VAR: tag, zoo.RESULTS_VAR: str(results_path)})
+    tests = {t["name"].split("::", 1)[1]: t for t in data["tests"]}
+    assert set(tests) == {zoo.GRAD_2, zoo.RS_AVG, zoo.TIED_2}, sorted(tests)
+    assert tests[zoo.TIED_2]["status"] == "passed"
+    assert tests[zoo.GRAD_2]["status"] == "failed" and re.search(cases["hang"].message, tests[zoo.GRAD_2]["output"])
+    assert tests[zoo.RS_AVG]["status"] == "failed" and "MEAN over ranks" in tests[zoo.RS_AVG]["output"]
+    assert data["score"] == pytest.approx(tests[zoo.TIED_2]["score"], abs=0.01) and "forged" not in json.dumps(data)
+    time.sleep(0.2)
+    assert zoo.tagged_processes(tag) == [], "processes of the grading run survived it"
+    assert seconds < 60, f"{seconds:.1f} s"
