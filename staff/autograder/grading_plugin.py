@@ -320,21 +320,35 @@ class Grader:
                 out[rec.task][kind] += rec.max_score
         return out
 
-    def table(self) -> str:
+    def table(self, hidden: bool = True) -> str:
+        """The per-task score table; ``hidden=False`` leaves the hidden tests' results out (results.json's
+        top-level output is visible to students at once, the hidden tests only after publication)."""
         scores = self.task_scores()
-        lines = [f"{'task':<40} {'public':>13} {'hidden':>13} {'total':>13}"]
+        cols = ("public", "hidden", "total") if hidden else ("public",)
+        lines = [f"{'task':<40} " + " ".join(f"{c:>13}" for c in cols)]
         total = total_max = 0.0
         for task, s in scores.items():
             got, mx = s["public"] + s["hidden"], s["public_max"] + s["hidden_max"]
+            if not hidden:
+                got, mx = s["public"], s["public_max"]
             total, total_max = total + got, total_max + mx
             name = f"{task}. {self.points.TASK_TITLES.get(task, '')}"
-            lines.append(f"{name:<40} {s['public']:>6.2f}/{s['public_max']:<6.2f} {s['hidden']:>6.2f}/"
-                         f"{s['hidden_max']:<6.2f} {got:>6.2f}/{mx:<6.2f}")
-        lines.append(f"{'total':<40} {'':>13} {'':>13} {total:>6.2f}/{total_max:<6.2f}")
-        passed = sum(r.passed for r in self.records.values())
-        lines.append(f"{passed} of {len(self.records)} graded tests passed"
+            cells = [f"{s['public']:>6.2f}/{s['public_max']:<6.2f}"]
+            if hidden:
+                cells += [f"{s['hidden']:>6.2f}/{s['hidden_max']:<6.2f}", f"{got:>6.2f}/{mx:<6.2f}"]
+            lines.append(f"{name:<40} " + " ".join(cells))
+        lines.append(f"{'total':<40} " + " ".join([f"{'':>13}"] * (len(cols) - 1) + [f"{total:>6.2f}/{total_max:<6.2f}"]))
+        shown = [r for r in self.records.values() if hidden or not r.hidden]
+        passed = sum(r.passed for r in shown)
+        lines.append(f"{passed} of {len(shown)} {'graded' if hidden else 'public'} tests passed"
                      + (f"; bonus (up to {self.points.BONUS_POINTS} points) graded by the staff from your writeup"
                         if getattr(self.points, "BONUS_POINTS", 0) else ""))
+        if not hidden:
+            n_hidden = sum(r.hidden for r in self.records.values())
+            hidden_max = sum(r.max_score for r in self.records.values() if r.hidden)
+            if n_hidden:
+                lines.append(f"{n_hidden} hidden tests ({hidden_max:.2f} points) are graded too; their results "
+                             f"appear when grades are published")
         return "\n".join(lines)
 
     def results(self) -> dict:
@@ -351,7 +365,7 @@ class Grader:
                 "visibility": HIDDEN if rec.hidden else VISIBLE,
             })
         tests.sort(key=lambda t: [int(x) for x in t["number"].split(".")])
-        output = self.table()
+        output = self.table(hidden=False)
         if not self.final:
             output += "\n\nThe grading run has not finished: tests not run yet score 0."
         if self.notes:

@@ -150,6 +150,8 @@ def test_points_outcomes_and_visibility(tree):
     assert tests["test_pass"]["output"].startswith("Task 1 (one), public test: 1.67 / 1.67 points")
     assert data["score"] == pytest.approx(2 * 10 / 6 + 6, abs=0.01)
     assert "total" in data["output"] and "2. two" in data["output"]
+    assert "1 hidden tests" not in data["output"] and "2 hidden tests (6.00 points) are graded too" in data["output"]
+    assert "hidden" not in data["output"].splitlines()[0]  # the hidden results stay out of the visible summary
     assert "score by task" in data["_stdout"]  # the table on the terminal too
     assert data["stdout_visibility"] == "hidden"
 
