@@ -111,6 +111,9 @@ def _spans(text: str) -> list[dict]:
     return out
 
 
+_ALIGNED = re.compile(r"\S {3,}\S")  # a run of spaces inside a line: columns aligned by hand
+
+
 def _indent(line: str) -> int:
     return len(line) - len(line.lstrip(" "))
 
@@ -129,7 +132,13 @@ def doc_blocks(doc: str | None) -> list[dict]:
             paras.append([])
     blocks: list[dict] = []
     for para in (p for p in paras if p):
-        if all(_indent(line) > 0 for line in para):
+        if any(_ALIGNED.search(line) for line in para[1:]) or (len(para) == 1 and _ALIGNED.search(para[0])):
+            # Column-aligned text (a table of formats, attributes): verbatim, after its header line if any.
+            if para[0].rstrip().endswith(":") and not _ALIGNED.search(para[0]):
+                blocks.append({"kind": "text", "spans": _spans(para[0].strip())})
+                para = para[1:]
+            blocks.append({"kind": "code", "text": inspect.cleandoc("\n".join(para))})
+        elif all(_indent(line) > 0 for line in para):
             blocks.append({"kind": "code", "text": inspect.cleandoc("\n".join(para))})
         elif all(re.match(r"\s*[-*] ", line) or _indent(line) > 0 for line in para) and re.match(r"[-*] ", para[0]):
             items: list[str] = []
