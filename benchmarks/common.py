@@ -176,7 +176,13 @@ def environment() -> dict:
 
     return {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
             "cpus": os.cpu_count(), "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-            "fsdp_impl": os.environ.get("FSDP_IMPL", "") or "default (reference if present)"}
+            "fsdp_impl": adapters_implementation()}
+
+
+def adapters_implementation() -> str:
+    """Which implementation adapters.py forwards to (FSDP_IMPL, or its default)."""
+    import adapters
+    return adapters.implementation()
 
 
 def median(xs: list[float]) -> float:
@@ -434,7 +440,7 @@ class CommMeter:
     """Counts the bytes of every all-gather / reduce-scatter / all-reduce issued through ``torch.distributed``
     and, given a SimLink, makes each one take as long as that link would.
 
-    It patches the functions on the ``torch.distributed`` module, which is where the reference (and torch's
+    It patches the functions on the ``torch.distributed`` module, which is where the FSDP implementation (and torch's
     FSDP2) look them up at call time. A thread-local guard keeps a patched function that calls another one from
     being counted twice. Bytes are counted two ways:
 
@@ -740,7 +746,7 @@ def exposed_comm(trainer: Trainer, rank: int, steps: int = 2, idle_gap_us: float
 
     Exposed communication is the time the training thread spends blocked on communication, read off the trace:
       * inside a synchronous collective (``comm::<kind>`` ranges) or waiting for an asynchronous one
-        (``comm::wait:<kind>``): CommMeter adds these ranges, so they cover the reference and torch's FSDP2;
+        (``comm::wait:<kind>``): CommMeter adds these ranges, so they cover our FSDP and torch's FSDP2;
       * DDP waits for its bucket all-reduces in C++ (the reducer, at the end of backward), where no range can
         be added; there the trace shows the training thread idle. Idle gaps longer than ``idle_gap_us``
         between the operators inside backward are counted as exposed communication too (autograd's own gaps

@@ -47,9 +47,8 @@ def backend(request) -> str:
 
 # ---- The pytest process never imports implementation code --------------------------------------------------
 # The process that decides pass or fail must not run student code (a submission could patch what decides).
-# Any test that imports a task module or the reference into this process fails, naming the module. Staff
-# tooling checks (marker `staff`, not in the student release) may import them, e.g. to compare stubs with the
-# reference.
+# Any test that imports implementation code (a task module) into this process fails, naming the module.
+# Staff tooling checks (marker `staff`, not in the student release) may import them.
 IMPLEMENTATION_PREFIXES = ("fsdp_assignment.task", "fsdp_assignment.reference")
 
 

@@ -6,7 +6,7 @@ Two kinds, kept apart on purpose:
   test, and only call the implementation through ``adapters``;
 - **parent-side** (``expected_shard``, ``train_single_process``, ``assert_close``): run in the pytest process,
   which never imports an implementation. Everything graded is compared here, against plain single-process
-  PyTorch, never against the staff reference.
+  PyTorch, never against another FSDP implementation.
 
 ``hand_shard`` wires FSDP units by hand from Tasks 2-4 (FlatParameter, forward hooks, post-backward hooks),
 so the tests of Tasks 1-6 do not need Task 7's ``fully_shard``.
