@@ -6,7 +6,7 @@
 Options: ``--budget S`` (tests not started by then are not run; default: --timeout minus 60 s), ``--timeout S``
 (the whole pytest run is killed after S seconds; default 540), ``--rank-user USER`` (run rank bodies as this
 unprivileged user when grading as root; ``none`` to never; default ``fsdp_student``), ``--rank-memory-mb N`` (each
-rank's memory limit above its start-up usage; default 1024), ``--timeout-cap S`` (cap every harness timeout, for
+rank's memory limit above its start-up usage; default 256), ``--timeout-cap S`` (cap every harness timeout, for
 the staff's own tests of broken submissions). Anything after ``--`` goes to pytest (``-k``, ``-m``, ``-x``, ...).
 
 It runs pytest in a child process with the grading plugin (``staff/autograder/grading_plugin.py``) named
@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 TREE = HERE.parents[1]  # the tree this script belongs to: <tree>/staff/autograder/grade.py
 DEFAULT_RANK_USER = "fsdp_student"
 DEFAULT_TIMEOUT_S = 540  # a minute under the smallest Gradescope limit (10 min); raise it with the limit
-DEFAULT_RANK_MEMORY_MB = 1024
+DEFAULT_RANK_MEMORY_MB = 256  # the reference passes everything with 128 (measured): 2x headroom
 MAX_SUBMITTED_FILE_BYTES = 1 << 20
 TEST_DIRS = ("tests/public", "tests/hidden")
 
