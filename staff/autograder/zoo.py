@@ -56,7 +56,7 @@ class Case:
     message: str = ""                 # regex every broken test's output must match
     max_seconds: float = 40.0         # wall time bound for the whole grading run
     timeout_cap: float = 6.0          # FSDP_RANK_TIMEOUT_CAP: harness timeouts (a hang costs this much)
-    memory_mb: int = 1024
+    memory_mb: int = 256
     needs_rank_user: bool = False     # only meaningful when rank bodies run as another user
     forged_results: bool = False      # the submission writes a fake results.json
 

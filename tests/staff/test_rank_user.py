@@ -1,4 +1,5 @@
-"""Rank bodies as an unprivileged user (FSDP_RANK_USER, tests/harness.py): when the grader runs as root, each
+"""Rank bodies as an unprivileged user (FSDP_RANK_USER, tests/harness.py), and the reaping of that user's leftover
+processes (staff/autograder/grading_plugin.py). When the grader runs as root, each
 rank drops to that user right before the body runs. The body then cannot write the grader's files or signal the
 grading processes, while collectives and the result's way back still work.
 
@@ -57,3 +58,29 @@ def test_bodies_run_as_the_rank_user(monkeypatch):
         assert not got["wrote"], f"rank {rank} could write into a directory of the grader's"
         assert not got["signalled"], f"rank {rank} could signal a process of the grader's"
         assert torch.equal(got["sum"], torch.ones(2)), "collectives must still work after the drop"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_leftover_processes_of_the_rank_user_are_reaped():
+    """What the grading plugin does after each test when ranks run as the rank user: every live process of that
+    user dies, even one that left its session (a rank's process group kill would miss it)."""
+    import pwd
+    import subprocess
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
+    from grading_plugin import processes_of, reap_user_processes
+    uid = pwd.getpwnam("nobody").pw_uid
+    if processes_of(uid):
+        pytest.skip("processes of 'nobody' already run on this machine; not killing them")
+    child = subprocess.Popen(["sleep", "600"], user=uid, group=pwd.getpwnam("nobody").pw_gid, extra_groups=[],
+                             start_new_session=True)
+    try:
+        assert processes_of(uid) == [child.pid]
+        assert reap_user_processes(uid) == 1
+        assert child.wait(timeout=10) == -9
+        assert processes_of(uid) == []
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
