@@ -67,8 +67,7 @@ def _no_implementation_in_pytest_process(request):
 
 
 # ---- Every failure names its task -----------------------------------------------------------------------------
-TASK_TITLES = {1: "meta-device init", 2: "FlatParameter", 3: "forward", 4: "backward",
-               5: "sharded optimizer and checkpoints", 6: "prefetching", 7: "fully_shard"}
+from tests.points import TASK_TITLES  # noqa: E402
 
 
 @pytest.hookimpl(hookwrapper=True)
