@@ -208,7 +208,7 @@ def main(argv=None) -> dict:
     raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": C.environment(),
            "interconnect": interconnect, "collectives": coll_records, "bytes_per_step": step_records, "skipped": skipped}
 
-    def plot(path: Path) -> None:
+    def plot():
         import matplotlib.pyplot as plt
 
         fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [1.15, 1]})
@@ -244,12 +244,9 @@ def main(argv=None) -> dict:
         bx.legend(fontsize=8)
         bx.grid(axis="y", alpha=0.3)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        return fig
 
-    paths = C.write_outputs(args.out, NAME, raw, md, plot)
-    print(md)
-    C.log(f"wrote {paths['md']}, {paths['json']}, {paths['png']}", quiet=args.quiet)
+    C.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet)
     return raw
 
 

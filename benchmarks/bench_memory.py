@@ -207,7 +207,7 @@ def main(argv=None) -> dict:
     raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": C.environment(),
            "activations_bytes_one_process": activations, "results": records, "skipped": skipped}
 
-    def plot(path: Path) -> None:
+    def plot():
         import matplotlib.pyplot as plt
 
         ws = sorted({w for w, _ in measured})
@@ -232,12 +232,9 @@ def main(argv=None) -> dict:
         fig.suptitle(f"Peak memory of one AdamW step, GPT {C.param_count(cfg) / 1e6:.1f}M params "
                      f"(bars: measured breakdown at the peak)", fontsize=10)
         fig.tight_layout(rect=(0, 0, 0.88, 0.95))
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        return fig
 
-    paths = C.write_outputs(args.out, NAME, raw, md, plot)
-    print(md)
-    C.log(f"wrote {paths['md']}, {paths['json']}, {paths['png']}", quiet=args.quiet)
+    C.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet)
     return raw
 
 

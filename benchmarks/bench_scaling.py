@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
     raw = {"benchmark": NAME, "config": vars(args), "environment": C.environment(), "results": records,
            "skipped": skipped}
 
-    def plot(path: Path) -> None:
+    def plot():
         import matplotlib.pyplot as plt
 
         fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.4))
@@ -142,12 +142,9 @@ def main(argv=None) -> dict:
         ax.legend(fontsize=8)
         fig.suptitle("Weak scaling", fontsize=11)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        return fig
 
-    paths = C.write_outputs(args.out, NAME, raw, md, plot)
-    print(md)
-    C.log(f"wrote {paths['md']}, {paths['json']}, {paths['png']}", quiet=args.quiet)
+    C.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet)
     return raw
 
 

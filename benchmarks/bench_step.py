@@ -227,7 +227,7 @@ def main(argv=None) -> dict:
     raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": C.environment(),
            "one_process_step_s": one, "calibration": calib, "results": records, "ratios": ratio_records}
 
-    def plot(path: Path) -> None:
+    def plot():
         import matplotlib.pyplot as plt
 
         ics = list(dict.fromkeys(r["interconnect"] for r in records if r["world_size"] > 1))
@@ -250,12 +250,9 @@ def main(argv=None) -> dict:
         fig.suptitle(f"Step time, GPT {C.param_count(cfg) / 1e6:.1f}M params, batch {args.batch}x{args.block_size} "
                      "per rank (median of alternated rounds)", fontsize=10)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        return fig
 
-    paths = C.write_outputs(args.out, NAME, raw, md, plot)
-    print(md)
-    C.log(f"wrote {paths['md']}, {paths['json']}, {paths['png']}", quiet=args.quiet)
+    C.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet)
     return raw
 
 

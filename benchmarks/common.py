@@ -155,8 +155,10 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(out_dir: Path, name: str, raw: dict, markdown: str, plot: Callable[[Path], None] | None) -> dict:
-    """<out>/<name>.json (everything measured, plus how), <name>.md (the table), <name>.png (the plot)."""
+def write_outputs(out_dir: Path, name: str, raw: dict, markdown: str, plot: Callable[[], Any] | None, *,
+                  quiet: bool = False) -> dict:
+    """<out>/<name>.json (everything measured, plus how), <name>.md (the table, also printed), <name>.png (the
+    figure ``plot()`` returns)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / f"{name}.json", "md": out_dir / f"{name}.md", "png": out_dir / f"{name}.png"}
@@ -166,7 +168,13 @@ def write_outputs(out_dir: Path, name: str, raw: dict, markdown: str, plot: Call
         import matplotlib
 
         matplotlib.use("Agg")  # no display on clusters and CI
-        plot(paths["png"])
+        import matplotlib.pyplot as plt
+
+        fig = plot()
+        fig.savefig(paths["png"], dpi=110)
+        plt.close(fig)
+    print(markdown)
+    log(f"wrote {paths['md']}, {paths['json']}, {paths['png']}", quiet=quiet)
     return {k: str(v) for k, v in paths.items()}
 
 
