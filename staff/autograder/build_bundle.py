@@ -27,7 +27,6 @@ import re
 import shutil
 import stat
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 

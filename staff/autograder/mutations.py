@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
 import re
 import shutil
 import subprocess

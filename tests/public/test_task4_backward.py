@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, ToyMLP, gpt_batch, gpt_loss
