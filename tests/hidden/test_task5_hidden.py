@@ -9,42 +9,21 @@ import torch
 import torch.distributed as dist
 
 import adapters
-from fsdp_assignment.support.models import GPT, GPTConfig, gpt_batch, gpt_loss
 from fsdp_assignment.support.state import named_flat_params
 from tests.harness import run_ranks
-from tests.public.common import assert_close, describe_flat_params, expected_shard, hand_shard_gpt, local_batch
+from tests.public.common import assert_close, expected_shard
+# The rank bodies and set-up are the public tests' own (one copy); these tests check other cases with them.
+from tests.public.test_task5_optim_ckpt import _clip, _sharded_model, _train, single_process_clip
 
 pytestmark = pytest.mark.task5
-
-CFG = GPTConfig()
-
-
-def _sharded_model(seed=0):
-    torch.manual_seed(seed)
-    model = GPT(CFG)
-    hand_shard_gpt(model)
-    return model
-
-
-def _clip(rank, world_size, max_norm):
-    model = _sharded_model()
-    idx, tgt = local_batch(CFG, rank, world_size, 0)
-    gpt_loss(model, idx, tgt).backward()
-    norm = adapters.clip_grad_norm_(model, max_norm)
-    return {"norm": norm.detach().clone(), "flat": describe_flat_params(model, grads=True)}
 
 
 @pytest.mark.weight(2)
 def test_clip_grad_norm_below_max_norm_changes_nothing():
     world_size, max_norm = 3, 1e3
     results = run_ranks(_clip, world_size, max_norm)
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    idx, tgt = gpt_batch(CFG, 2 * world_size, seed=0)
-    gpt_loss(model, idx, tgt).backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm, grads = single_process_clip(world_size, max_norm)
     assert norm < max_norm, "test set-up: the norm must be below max_norm"
-    grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
     for rank, got in enumerate(results):
         assert torch.equal(got["norm"], results[0]["norm"]), \
             f"rank {rank}: returned norm {got['norm']} differs from rank 0's {results[0]['norm']} (it is global)"
@@ -53,14 +32,6 @@ def test_clip_grad_norm_below_max_norm_changes_nothing():
             assert_close(desc["grad"], expected_shard(desc, grads), (
                 f"rank {rank}: gradient shard of unit '{desc['prefix'] or '<root>'}' after clip_grad_norm_ with a "
                 f"norm below max_norm: clipping only ever scales gradients down (coefficient at most 1)"))
-
-
-def _train(model, optim, rank, world_size, steps):
-    for step in steps:
-        idx, tgt = local_batch(CFG, rank, world_size, step)
-        optim.zero_grad()
-        gpt_loss(model, idx, tgt).backward()
-        optim.step()
 
 
 def _shards(model):

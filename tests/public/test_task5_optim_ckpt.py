@@ -68,16 +68,21 @@ def _clip(rank, world_size, max_norm):
     return {"norm": norm.detach().clone(), "flat": describe_flat_params(model, grads=True)}
 
 
-def test_clip_grad_norm_uses_the_global_norm():
-    world_size, max_norm = 3, 0.05
-    results = run_ranks(_clip, world_size, max_norm)
+def single_process_clip(world_size, max_norm):
+    """torch.nn.utils.clip_grad_norm_ on the unsharded model and the global batch: (norm, clipped grads by name)."""
     torch.manual_seed(0)
     model = GPT(CFG)
     idx, tgt = gpt_batch(CFG, 2 * world_size, seed=0)
     gpt_loss(model, idx, tgt).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm, {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def test_clip_grad_norm_uses_the_global_norm():
+    world_size, max_norm = 3, 0.05
+    results = run_ranks(_clip, world_size, max_norm)
+    norm, grads = single_process_clip(world_size, max_norm)
     assert norm > max_norm, "test set-up: the norm must exceed max_norm so clipping happens"
-    grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
     for rank, got in enumerate(results):
         assert_close(got["norm"], norm, f"rank {rank}: returned norm (must be the global norm over all ranks)")
         for desc in got["flat"]:
