@@ -44,6 +44,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.staff.test_make_submission import a_pdf, filled_writeup
+
 pytestmark = pytest.mark.staff
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,7 +142,7 @@ def test_release_end_to_end(tmp_path):
 
     # 4. make_submission.sh in the release (tests skipped here: the script's reporting is tested below).
     t = time.monotonic()
-    (dest / "WRITEUP.md").write_text((dest / "WRITEUP_TEMPLATE.md").read_text() + "\nAnswers.\n")
+    (dest / "WRITEUP.md").write_text(filled_writeup())  # make_submission.sh refuses empty answers
     proc = _run("./make_submission.sh --skip-tests", dest, env, timeout=300)
     assert proc.returncode == 0, _tail(proc)
     names = set(zipfile.ZipFile(dest / "submission.zip").namelist())
@@ -188,7 +190,7 @@ def test_make_submission_reports_failing_tests(tmp_path):
     assert not (repo / "submission.zip").exists()
 
     # With a writeup: tests run, the failure is reported loudly, the zip is built anyway.
-    (repo / "writeup.pdf").write_bytes(b"%PDF-1.4\n")
+    (repo / "writeup.pdf").write_bytes(a_pdf())  # make_submission.sh checks that it is a real PDF
     proc = subprocess.run(["bash", "make_submission.sh"], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=300)
     out = proc.stdout + proc.stderr
@@ -237,7 +239,7 @@ def test_release_submission_is_graded_by_the_bundle(tmp_path):
     proc = subprocess.run([sys.executable, str(bundle), "--stage", str(source)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, _tail(proc)
-    (dest / "WRITEUP.md").write_text("# Writeup\n\nAnswers.\n")
+    (dest / "WRITEUP.md").write_text(filled_writeup())
     env = _clean_env()
     env["PYTHON"] = sys.executable
 
