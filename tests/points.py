@@ -9,7 +9,8 @@ split over its tests in proportion to their weights:
     points of a test = TASK_POINTS[task] * weight / (sum of the weights of that task's tests)
 
 Tests run on gloo (CPU). Variants parametrized by ``backend="nccl"`` need GPUs; the autograder has none, so
-they are not graded. The bonus is graded by the course staff from your writeup, not by the autograder.
+they are not graded. The writeup (``WRITEUP_QUESTION_POINTS``, ``WRITEUP_TABLE_POINTS``) and the bonus are graded
+by the course staff, not by the autograder.
 """
 
 from __future__ import annotations
@@ -20,12 +21,30 @@ BONUS_POINTS: int = 10
 TASK_TITLES: dict[int, str] = {1: "meta-device init", 2: "FlatParameter", 3: "forward", 4: "backward",
                                5: "sharded optimizer and checkpoints", 6: "prefetching", 7: "fully_shard"}
 
+# The writeup, graded by the course staff (not by the autograder): points per question of WRITEUP_TEMPLATE.md
+# ("Q7", as make_submission.sh names them) and per benchmark table (by its section heading). The template prints
+# each question's points and its "Deliverable:" line; tests/staff/test_handout.py checks that both agree with this
+# table, and the staff answer key (staff/answer_key/) gives full, partial and no credit for each.
+WRITEUP_QUESTION_POINTS: dict[str, int] = {
+    "Q1": 2, "Q2": 2, "Q3": 2, "Q4": 2, "Q5": 2, "Q6": 3, "Q7": 2, "Q8": 3, "Q9": 2, "Q10": 2, "Q11": 3,
+    "Q12": 3, "Q13": 3, "Q14": 3, "Q15": 3, "Q16": 2, "Q17": 3, "Q18": 2, "Q19": 3, "Q20": 2,
+}
+WRITEUP_TABLE_POINTS: dict[str, int] = {
+    "Memory benchmark": 2, "Communication benchmark": 2, "Step time and prefetching": 2, "Scaling": 2,
+}
+
 # The shape the handout's build reads (staff/build_handout.py, POINTS_SOURCES): string keys, as JSON has them.
-TABLE: dict = {"tasks": {str(k): v for k, v in TASK_POINTS.items()}, "bonus": BONUS_POINTS}
+TABLE: dict = {"tasks": {str(k): v for k, v in TASK_POINTS.items()}, "bonus": BONUS_POINTS,
+               "writeup": {"questions": WRITEUP_QUESTION_POINTS, "tables": WRITEUP_TABLE_POINTS}}
 
 DEFAULT_WEIGHT = 1.0
 
 
 def total_points() -> int:
-    """What the autograder's tests are worth together (the bonus apart)."""
+    """What the autograder's tests are worth together (the writeup and the bonus apart)."""
     return sum(TASK_POINTS.values())
+
+
+def writeup_points() -> int:
+    """What the writeup is worth (questions and benchmark tables; graded by the staff)."""
+    return sum(WRITEUP_QUESTION_POINTS.values()) + sum(WRITEUP_TABLE_POINTS.values())

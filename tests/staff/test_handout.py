@@ -86,3 +86,31 @@ def test_handout_does_not_mention_the_reference():
                     found.append(f"{name}:{n}: {line.strip()[:120]}")
                     break
     assert not found, "the handout mentions the reference:\n  " + "\n  ".join(found)
+
+
+def _points():
+    spec = importlib.util.spec_from_file_location("_points", ROOT / "tests" / "points.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_writeup_points_and_deliverables_match_the_points_table():
+    """Every question of WRITEUP_TEMPLATE.md shows its points from tests/points.py and has a "Deliverable:" line;
+    every benchmark table section shows its points; nothing in the template is missing from the table, or back."""
+    points = _points()
+    text = (ROOT / "WRITEUP_TEMPLATE.md").read_text(encoding="utf-8")
+    questions = dict(re.findall(r"^\*\*(Q\d+)\.\*\* \*\([^)]*?(\d+) points?\)\*", text, re.MULTILINE))
+    assert {q: int(n) for q, n in questions.items()} == points.WRITEUP_QUESTION_POINTS, \
+        "WRITEUP_TEMPLATE.md's question points differ from tests/points.py's WRITEUP_QUESTION_POINTS"
+    every = re.findall(r"^\*\*(Q\d+)\.\*\*", text, re.MULTILINE)
+    assert sorted(every) == sorted(questions), "a question without '*(topic; N points)*'"
+    blocks = re.split(r"^(?=\*\*Q\d+\.\*\*|## )", text, flags=re.MULTILINE)
+    for block in blocks:
+        m = re.match(r"\*\*(Q\d+)\.\*\*", block)
+        if m:
+            assert re.search(r"^\*Deliverable:\* \S", block, re.MULTILINE), f"{m.group(1)}: no '*Deliverable:*' line"
+    tables = dict(re.findall(r"^## (.+?)\n\n\*Deliverable \((\d+) points?\):\* ", text, re.MULTILINE))
+    assert {k: int(v) for k, v in tables.items()} == points.WRITEUP_TABLE_POINTS
+    assert re.search(rf"^## Bonus.*\n(.*\n)*?\*Deliverable \(up to {points.BONUS_POINTS} points\):\*", text,
+                     re.MULTILINE), "WRITEUP_TEMPLATE.md: no bonus section with its points"
