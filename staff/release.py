@@ -26,7 +26,8 @@ Transformations, applied to every released text file:
   (``transform_markdown``). Markers are clearer: prefer them.
 
 Then ``check_release`` (also run by ``--check`` and by ``tests/staff/test_release.py``) fails when: a staff-only
-path is present; a released file mentions or imports the reference (``MENTION`` below, with a short allowlist for
+path is present; the writeup's answer key (``staff/answer_key/``, marked ``STAFF ANSWER KEY``) is anywhere in it;
+a released file mentions or imports the reference (``MENTION`` below, with a short allowlist for
 the plain-English use of the word, e.g. "a reference to"); ``handout.pdf``, a task stub, ``make_submission.sh``
 or ``WRITEUP_TEMPLATE.md`` is missing; a Python file does not compile; or ``adapters.implementation()`` does not
 default to ``student`` in the release.
@@ -305,6 +306,24 @@ def _handout_problems(root: Path) -> list[str]:
 
 
 # ---- Check --------------------------------------------------------------------------------------------
+# The writeup's answer key (staff/answer_key/) carries this marker in every file: a released file that carries it,
+# or a path that names the key, is a leak (staff/ is excluded above; this catches a copy anywhere else).
+ANSWER_KEY_MARKER = "STAFF ANSWER KEY"
+ANSWER_KEY_PATH = re.compile(r"answer[_-]?key", re.IGNORECASE)
+
+
+def answer_key_leaks(dest: Path) -> list[str]:
+    """``path`` (and why) for every file in ``dest`` that is, or contains, the staff answer key."""
+    found = []
+    for path in sorted(p for p in Path(dest).rglob("*") if p.is_file() and ".git" not in p.relative_to(dest).parts):
+        rel = path.relative_to(dest).as_posix()
+        if ANSWER_KEY_PATH.search(rel):
+            found.append(f"{rel}: the path names the answer key")
+        elif ANSWER_KEY_MARKER.encode() in path.read_bytes():
+            found.append(f"{rel}: contains the answer key's marker ({ANSWER_KEY_MARKER!r})")
+    return found
+
+
 def mentions(dest: Path) -> list[str]:
     """``path:line: text`` for every line of a released text file that mentions the reference."""
     found = []
@@ -338,6 +357,7 @@ def check_release(dest: Path) -> list[str]:
         if _excluded(rel + ("/" if path.is_dir() else "")) or _excluded(rel):
             problems.append(f"staff-only path present: {rel}")
     problems += [f"mentions the reference: {m}" for m in mentions(dest)]
+    problems += [f"answer key in the release: {m}" for m in answer_key_leaks(dest)]
     for path in sorted(dest.rglob("*.py")):
         if ".git" in path.relative_to(dest).parts:
             continue

@@ -1,0 +1,71 @@
+"""The writeup's answer key: complete, generated numbers, and never in the student release (staff only).
+
+Fast: no benchmark runs (``python staff/answer_key/regenerate.py`` does that, by hand); the release is built into
+a temporary directory without its slow end-to-end checks (those are ``tests/staff/test_release.py``'s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.staff
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = ROOT / "staff" / "answer_key" / "ANSWER_KEY.md"
+NUMBERS = ROOT / "staff" / "answer_key" / "NUMBERS.md"
+
+
+def _load(name: str, rel: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / rel)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_key_grades_every_deliverable_with_its_points():
+    points = _load("_points", "tests/points.py")
+    text = KEY.read_text(encoding="utf-8")
+    entries = dict(re.findall(r"^\*\*(Q\d+) \((\d+)\)\.\*\*", text, re.MULTILINE))
+    assert {q: int(p) for q, p in entries.items()} == points.WRITEUP_QUESTION_POINTS, \
+        "ANSWER_KEY.md's '**Qn (points).**' entries differ from tests/points.py"
+    blocks = re.split(r"^(?=\*\*Q\d+ \(\d+\)\.\*\*)", text, flags=re.MULTILINE)[1:]
+    for block in blocks:
+        q = re.match(r"\*\*(Q\d+)", block).group(1)
+        block = block.split("\n## ")[0]
+        assert "Full" in block and "Partial" in block, f"{q}: no full/partial credit criteria"
+    assert re.search(r"\*\*Tables \(2 each\)\.\*\*", text) and set(points.WRITEUP_TABLE_POINTS.values()) == {2}
+    assert "## Bonus" in text and "No credit" in text
+
+
+def test_the_numbers_are_generated_and_name_their_machine():
+    text = NUMBERS.read_text(encoding="utf-8")
+    assert text.startswith("<!-- STAFF ANSWER KEY"), "NUMBERS.md must carry the answer-key marker"
+    assert "python staff/answer_key/regenerate.py" in text
+    assert re.search(r"^- Machine: .+ cores", text, re.MULTILINE) and "Load average" in text
+    assert "implementation `reference`" in text, "the numbers must come from the reference's benchmark run"
+    for q in ("Q2", "Q4", "Q8 and Q12", "Q14", "Q15", "Q16", "Q17", "Q19"):
+        assert f"## {q} " in text, f"NUMBERS.md has no section for {q}"
+    # Every [N: ...] the key refers to exists.
+    for ref in set(re.findall(r"\[N: ([^\]]+)\]", KEY.read_text(encoding="utf-8"))):
+        assert f"## {ref} " in text, f"ANSWER_KEY.md refers to [N: {ref}], which NUMBERS.md does not have"
+
+
+def test_the_release_has_no_answer_key_and_its_check_catches_one(tmp_path):
+    release = _load("_release", "staff/release.py")
+    dest = tmp_path / "release"
+    release.build_release(dest, allow_stale=True, quiet=True)
+    assert not release.answer_key_leaks(dest), release.answer_key_leaks(dest)
+    assert not any("answer" in p.name.lower() and "key" in p.name.lower() for p in dest.rglob("*"))
+    # Planted anywhere, under any name, the check reports it.
+    shutil.copy(KEY, dest / "notes.md")
+    (dest / "docs").mkdir()
+    shutil.copy(NUMBERS, dest / "docs" / "answer_key.md")
+    problems = release.check_release(dest)
+    leaks = [p for p in problems if p.startswith("answer key in the release")]
+    assert any("notes.md" in p and "marker" in p for p in leaks), problems
+    assert any("docs/answer_key.md" in p for p in leaks), problems
