@@ -237,14 +237,28 @@ def points_table() -> dict | None:
 
 # ---- Writeup --------------------------------------------------------------------------------------------
 _QUESTION = re.compile(r"^\*\*(Q\d+)\.?\*\*\s*(?:\*\(([^)]*)\)\*)?\s*(.*)$")
+_DELIVERABLE = re.compile(r"^\*Deliverable(?: \(([^)]*)\))?:\*\s*(.*)$")
+
+
+def _paragraph(lines: list[str], i: int) -> tuple[str, int]:
+    """The paragraph that starts at ``lines[i]`` (joined), and the index of its last line."""
+    text = [lines[i].strip()]
+    while i + 1 < len(lines) and lines[i + 1].strip() and not lines[i + 1].lstrip().startswith(
+            ("**", "#", ">", "|", "- ", "<!--")):
+        i += 1
+        text.append(lines[i].strip())
+    return " ".join(text), i
 
 
 def writeup_outline() -> dict:
-    """Sections (``## `` headings) and the questions (``**Q7.** *(topic)* text``) of WRITEUP_TEMPLATE.md."""
+    """Sections (``## `` headings), the questions (``**Q7.** *(topic; N points)* text``) with their
+    ``*Deliverable:*`` line, and the sections' own deliverables (``*Deliverable (N points):*``, the benchmark
+    tables and the bonus) of WRITEUP_TEMPLATE.md."""
     if not WRITEUP_TEMPLATE.exists():
-        return {"sections": [], "questions": []}
-    sections, questions = [], []
+        return {"sections": [], "questions": [], "section_deliverables": {}}
+    sections, questions, section_deliverables = [], [], {}
     current = None
+    last = None  # the question or section a *Deliverable:* line belongs to
     lines = WRITEUP_TEMPLATE.read_text(encoding="utf-8").splitlines()
     i = 0
     while i < len(lines):
@@ -252,16 +266,25 @@ def writeup_outline() -> dict:
         if line.startswith("## "):
             current = line[3:].strip()
             sections.append(current)
+            last = ("section", current)
         m = _QUESTION.match(line.strip())
+        d = _DELIVERABLE.match(line.strip())
         if m:
-            text = [m.group(3).strip()]
-            while i + 1 < len(lines) and lines[i + 1].strip() and not lines[i + 1].lstrip().startswith(("**", "#", ">", "|", "-", "<!--")):
-                i += 1
-                text.append(lines[i].strip())
+            text, i = _paragraph(lines, i)
+            text = _QUESTION.match(text).group(3).strip()
             questions.append({"id": m.group(1), "topic": m.group(2) or "", "section": current,
-                              "spans": _spans(" ".join(text))})
+                              "spans": _spans(text), "deliverable": []})
+            last = ("question", questions[-1])
+        elif d and last is not None:
+            text, i = _paragraph(lines, i)
+            spans = _spans(_DELIVERABLE.match(text).group(2).strip())
+            if last[0] == "question":
+                last[1]["deliverable"] = spans
+            else:
+                section_deliverables[last[1]] = {"points": d.group(1) or "", "spans": spans}
+            last = None
         i += 1
-    return {"sections": sections, "questions": questions}
+    return {"sections": sections, "questions": questions, "section_deliverables": section_deliverables}
 
 
 # ---- Set-up commands -----------------------------------------------------------------------------------
