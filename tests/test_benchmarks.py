@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from fsdp_assignment.support.memory import LiveStorageTracker
@@ -91,6 +92,10 @@ HEADERS = {
 }
 
 
+# slow: about a minute quiet, 144-225 s at load 8 (issue 8): CI runs it, `-m "not slow"` leaves it out. Its time
+# limit is generous (each benchmark launch has its own 600 s timeout): a loaded machine must not fail it.
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_run_all_quick_writes_tables_json_and_plots(tmp_path):
     """All four benchmarks at a tiny size (W=2, gloo, local launcher, simulated link on in the step benchmark):
     each writes its JSON, its markdown table with the documented headers, and a PNG. With the student's

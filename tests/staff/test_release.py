@@ -90,7 +90,8 @@ def _tail(proc: subprocess.CompletedProcess, n: int = 3000) -> str:
     return (proc.stdout + proc.stderr)[-n:]
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_release_end_to_end(tmp_path):
     release = _release_module()
     timings = {}
@@ -225,7 +226,8 @@ def _grade_zip(zip_path: Path, source: Path, root: Path) -> dict:
     return data
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_release_submission_is_graded_by_the_bundle(tmp_path):
     """make_submission.sh, run inside the release, makes a zip that the autograder bundle grades: 0 with the
     stubs, full marks with the reference's task files dropped in."""
