@@ -52,6 +52,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import re
 import resource
 import secrets
 import shutil
@@ -133,11 +134,17 @@ def _grader_settings(timeout: float, collective_timeout: float, memory_limit_byt
 
     FSDP_RANK_MEMORY_LIMIT_BYTES: memory_limit_bytes for calls that give none (a memory bomb then fails its
     own test instead of the whole machine). FSDP_RANK_TIMEOUT_CAP: an upper bound, in seconds, on timeout and
-    collective_timeout. FSDP_RANK_USER: a user name; when this process is root, each rank drops to that user
+    collective_timeout. FSDP_RANK_DEADLINE: the time (time.time()) by which the current test must end (the
+    grading plugin's per-test limit, staff/autograder/grading_plugin.py): timeouts shrink to what is left of
+    it, so a test that calls run_ranks several times still ends by then. FSDP_RANK_USER: a user name; when this process is root, each rank drops to that user
     right before the body runs (returned as (uid, gid)); otherwise it is ignored."""
     cap = os.environ.get("FSDP_RANK_TIMEOUT_CAP", "").strip()
     if cap:
         timeout, collective_timeout = min(timeout, float(cap)), min(collective_timeout, float(cap))
+    deadline = os.environ.get("FSDP_RANK_DEADLINE", "").strip()
+    if deadline:  # the grading plugin's time limit for the whole test (time.time()): what is left of it
+        left = max(1.0, float(deadline) - time.time())
+        timeout, collective_timeout = min(timeout, left), min(collective_timeout, left)
     limit = os.environ.get("FSDP_RANK_MEMORY_LIMIT_BYTES", "").strip()
     if memory_limit_bytes is None and limit:
         memory_limit_bytes = int(limit)
@@ -540,6 +547,8 @@ def _run_body(config: dict):
         _limit_memory(config["memory_limit_bytes"])
     if config.get("run_as") is not None:  # last: the harness and the test module were set up as ourselves
         _drop_privileges(*config["run_as"])
+    if os.environ.get("FSDP_TRACE_TASK_CALLS"):  # staff/autograder/measure_times.py: which task functions run
+        _trace_task_calls(os.environ["FSDP_TRACE_TASK_CALLS"])
     result = body(rank, world_size, *args)
     result = _sendable(result, "result")
     if dist.is_initialized():  # the body may have destroyed it itself
@@ -550,6 +559,26 @@ def _run_body(config: dict):
                             f"{_first_line(str(e))}") from None
         dist.destroy_process_group()
     return result
+
+
+def _trace_task_calls(path: str) -> None:
+    """Append "taskN_x.py:function" to `path` the first time each function of a task file runs in this rank.
+    Staff measurement only (the grading plugin reads the result to know which tests call a function that hung);
+    sys.setprofile slows every call, so timings are measured in runs without it."""
+    seen: set = set()
+    pattern = re.compile(r"fsdp_assignment[/\\](task\d_\w+\.py)$")
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_code in seen:
+            return
+        seen.add(frame.f_code)
+        m = pattern.search(frame.f_code.co_filename)
+        if m:
+            with open(path, "a") as f:
+                f.write(f"{m.group(1)}:{frame.f_code.co_name}\n")
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
 
 
 def _format_traceback(e: BaseException) -> str:

@@ -52,6 +52,7 @@ BUNDLE_GLOBS = (
     "staff/autograder/__init__.py",
     "staff/autograder/grading_plugin.py",
     "staff/autograder/grade.py",
+    "staff/autograder/test_times.json",  # per-test time limits and hung-function skips (grading_plugin.py)
 )
 
 SETUP_SH = r"""#!/usr/bin/env bash

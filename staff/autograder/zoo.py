@@ -2,8 +2,9 @@
 must do with each (tests/staff/test_zoo.py runs them in CI; ``python staff/autograder/zoo.py`` runs them here).
 
 For every case: the tests it breaks score 0 with an output that says what happened, the other selected tests
-are graded normally, the run ends within its time bound, results.json is valid and genuine, and no process of
-the run survives it (every process the run starts carries a marker in its environment; /proc is searched for
+are graded normally, the run ends by itself (a hang is cut at the case's timeout cap, not at grade.py's global
+timeout; no wall-clock bound, so a loaded machine cannot fail a case), results.json is valid and genuine, and no
+process of the run survives it (every process the run starts carries a marker in its environment; /proc is searched for
 it afterwards). To keep CI quick each case grades a few chosen tests (``select``: a ``-k`` expression), not the
 whole suite; tests/staff/test_autograder_bundle.py grades the whole suite end to end through the bundle.
 
@@ -34,6 +35,7 @@ import results_schema  # noqa: E402
 ROOT = HERE.parents[1]
 TAG_VAR = "FSDP_ZOO_TAG"        # grade.py passes FSDP_ZOO_* through to pytest and so to every rank
 RESULTS_VAR = "FSDP_ZOO_RESULTS"  # where a forging submission would write (the grader's own results path)
+GLOBAL_TIMEOUT_S = 900            # grade.py's kill: far above a case's 10-20 s quiet, so only a real hang hits it
 
 UNSHARD_START = "    flat_param.alloc_unsharded()\n    shard = flat_param.shard.detach()\n"
 RESHARD_BODY = "    flat_param.free_unsharded()\n"
@@ -54,7 +56,6 @@ class Case:
     broken: tuple = ()                # substrings of test names that must fail
     fine: tuple = ()                  # substrings of test names that must pass
     message: str = ""                 # regex every broken test's output must match
-    max_seconds: float = 40.0         # wall time bound for the whole grading run
     timeout_cap: float = 6.0          # FSDP_RANK_TIMEOUT_CAP: harness timeouts (a hang costs this much)
     memory_mb: int = 256
     needs_rank_user: bool = False     # only meaningful when rank bodies run as another user
@@ -158,6 +159,105 @@ def case_files(case: Case, root: Path = ROOT) -> dict[str, str]:
     return files
 
 
+# ---- hanging submissions graded in full: a hang costs only the tests that reach it (issue 8) ---------------
+@dataclass(frozen=True)
+class HangCase:
+    id: str
+    what: str
+    task: int
+    function: str          # the task function (in the reference) the hang is put into, at its first statement
+    code: str              # inserted there; {arg0} is the function's first parameter
+
+
+HANG_CASES: list[HangCase] = [
+    HangCase("hang_task1", "materialize_meta_module loops forever (every rank)", 1, "materialize_meta_module",
+             "while True:  # zoo: never ends\n    pass\n"),
+    HangCase("hang_task4", "accumulating into an existing gradient, rank 0 calls a collective no other rank calls",
+             4, "accumulate_shard_grad",
+             "import torch.distributed as _zd\n"
+             "if {arg0}.shard.grad is not None and _zd.get_rank() == 0:  # zoo: rank 0 only\n"
+             "    _zd.all_reduce(torch.zeros(1))\n"),
+    HangCase("hang_task6", "backward prefetch: rank 0 calls a collective no other rank calls", 6, "prefetch_backward",
+             "import torch.distributed as _zd\n"
+             "if _zd.get_rank() == 0:  # zoo: rank 0 only\n"
+             "    _zd.all_reduce(torch.zeros(1))\n"),
+]
+
+
+def inject_at_start(source: str, function: str, code: str) -> str:
+    """``code`` as the first statements of ``function`` (a function or method, after its docstring)."""
+    import ast
+    import textwrap
+    found = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+             and n.name == function]
+    if len(found) != 1:
+        raise ValueError(f"{function}: {len(found)} definitions (expected one)")
+    node = found[0]
+    body = node.body
+    first = body[1] if (len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                        and isinstance(body[0].value.value, str)) else body[0]
+    lines = source.splitlines(keepends=True)
+    indent = " " * first.col_offset
+    args = node.args.posonlyargs + node.args.args
+    code = code.format(arg0=args[0].arg if args else "")
+    lines.insert(first.lineno - 1, textwrap.indent(code, indent))
+    return "".join(lines)
+
+
+def hang_case_files(case: HangCase, root: Path = ROOT) -> dict[str, str]:
+    files = mutations.reference_student_files(root)
+    rel = f"fsdp_assignment/{mutations.TASK_FILES[case.task]}"
+    files[rel] = inject_at_start(files[rel], case.function, case.code)
+    compile(files[rel], rel, "exec")
+    return files
+
+
+def run_hang_case(case: HangCase, workdir: Path, *, timeout: float = 540, root: Path = ROOT) -> dict:
+    """Grade the whole suite (Gradescope's defaults: --timeout 540, budget 480 s) on the hanging submission.
+    Returns the score, the points lost per task, the lost tests split into those that call the hung function
+    (in the reference's traced calls, test_times.json: lost on the merits) and any other (``problems``: points the
+    hang cost through the time budget), and the grading time."""
+    tree = workdir / case.id
+    mutations.stage_tree(tree, hang_case_files(case, root), root)
+    results = workdir / f"{case.id}.json"
+    tag = uuid.uuid4().hex
+    cmd = [sys.executable, str(tree / "staff" / "autograder" / "grade.py"), "--results", str(results),
+           "--rank-user", "none", "--timeout", f"{timeout:g}"]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tree, env=dict(os.environ, **{TAG_VAR: tag}), capture_output=True, text=True)
+    seconds = time.monotonic() - start
+    time.sleep(0.2)
+    survivors = tagged_processes(tag)
+    kill_tagged(tag)
+    data = json.loads(results.read_text())
+    times = json.loads((HERE / "test_times.json").read_text())["tests"]
+    hung = f"{mutations.TASK_FILES[case.task]}:{case.function}"
+    # results.json names a test "Task N public: test_file.py::test_name[param]"
+    by_short_name = {f"{Path(k.split('::')[0]).name}::{k.split('::', 1)[1]}": k for k in times}
+    lost: dict[int, float] = {}
+    on_merit, problems = [], []
+    for t in data["tests"]:
+        if t["status"] == "passed":
+            continue
+        task = int(t["number"].split(".")[0])
+        lost[task] = lost.get(task, 0.0) + t["max_score"]
+        nodeid = by_short_name.get(t["name"].split(": ", 1)[1])
+        if nodeid is not None and hung in times[nodeid]["calls"]:
+            on_merit.append(t["name"])
+        else:
+            problems.append(f"{t['name']} lost {t['max_score']:.2f} points but does not call {hung}: "
+                            f"{t['output'].split(chr(10) + chr(10), 1)[-1][:300]}")
+    if survivors:
+        problems.append(f"processes survived: {survivors}")
+    if "has not finished" in data.get("output", ""):
+        problems.append("the grading run did not finish")
+    not_run_at_once = sum("hung in" in t["output"] and "not run" in t["output"] for t in data["tests"])
+    return {"case": case.id, "score": data["score"], "lost_by_task": {k: round(v, 2) for k, v in sorted(lost.items())},
+            "lost_tests_calling_the_hung_function": len(on_merit), "reported_not_run_at_once": not_run_at_once,
+            "problems": problems, "seconds": round(seconds, 1), "load_1min": round(os.getloadavg()[0], 1),
+            "summary": proc.stdout[proc.stdout.find("score by task"):][:2500]}
+
+
 # ---- processes -------------------------------------------------------------------------------------------
 def tagged_processes(tag: str) -> list[tuple[int, str]]:
     """(pid, command line) of every live process whose environment holds TAG_VAR=tag."""
@@ -210,7 +310,7 @@ def run_case(case: Case, workdir: Path, *, rank_user: str = "none", root: Path =
     if case.forged_results:
         env[RESULTS_VAR] = str(results)
     cmd = [sys.executable, str(tree / "staff" / "autograder" / "grade.py"), "--results", str(results),
-           "--rank-user", rank_user, "--timeout", str(case.max_seconds * 3), "--timeout-cap", f"{case.timeout_cap:g}",
+           "--rank-user", rank_user, "--timeout", str(GLOBAL_TIMEOUT_S), "--timeout-cap", f"{case.timeout_cap:g}",
            "--rank-memory-mb", str(case.memory_mb), "--", "-k", case.select]
     if rank_user != "none":
         from grade import lock_down
@@ -225,8 +325,9 @@ def run_case(case: Case, workdir: Path, *, rank_user: str = "none", root: Path =
     kill_tagged(tag)
     if out.survivors:
         out.problems.append(f"processes survived the run: {out.survivors}")
-    if seconds > case.max_seconds:
-        out.problems.append(f"the run took {seconds:.1f} s > {case.max_seconds} s")
+    if "the grading run exceeded" in proc.stdout:
+        out.problems.append(f"the run did not end by itself: grade.py killed it after {GLOBAL_TIMEOUT_S} s "
+                            f"({seconds:.1f} s)")
     try:
         data = json.loads(results.read_text())
     except (OSError, ValueError) as err:
@@ -234,6 +335,8 @@ def run_case(case: Case, workdir: Path, *, rank_user: str = "none", root: Path =
         return out
     out.results = data
     out.problems += [f"schema: {p}" for p in results_schema.validate(data)]
+    if "has not finished" in data.get("output", ""):
+        out.problems.append("results.json says the grading run did not finish")
     tests = data.get("tests", [])
     if not tests:
         out.problems.append("results.json lists no tests")
@@ -264,9 +367,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--rank-user", default="none")
     parser.add_argument("--show", action="store_true", help="print each broken test's output")
+    parser.add_argument("--hangs", action="store_true",
+                        help="grade the hanging submissions (HANG_CASES) in full instead, and report their scores")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="fsdp-zoo-"))
     os.chmod(workdir, 0o755)
+    if args.hangs:
+        try:
+            failed = 0
+            for case in HANG_CASES:
+                if args.only is not None and case.id not in args.only:
+                    continue
+                r = run_hang_case(case, workdir)
+                failed += bool(r["problems"])
+                print(json.dumps({k: v for k, v in r.items() if k != "summary"}, indent=1))
+                print(r["summary"])
+            return 1 if failed else 0
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
     failed = 0
     try:
         for case in CASES:

@@ -1,0 +1,221 @@
+"""A hang cannot drain the grading budget (staff/autograder/grading_plugin.py, "Time limits"; issue 8).
+
+Fast checks, on a tiny fake test tree (no torch in the tests) and on the plugin's pieces:
+- every graded test has a measured time in staff/autograder/test_times.json (else: measure_times.py);
+- a hang is blamed on the innermost task function the reference knows, from faulthandler's stacks or a
+  traceback; later tests that call it are "not run: <function> hung in <test>" at once, others run;
+- each test gets a deadline (FSDP_RANK_DEADLINE, which the harness honours) and a task that spends its share of the
+  budget cannot spend another's: its later tests are not run, the next task's tests run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "staff" / "autograder"))
+import grading_plugin  # noqa: E402
+from grading_plugin import TimeLimits, hung_functions  # noqa: E402
+
+pytestmark = pytest.mark.staff
+
+KNOWN = {"task1_meta_init.py:materialize_meta_module", "task3_forward.py:unshard", "task7_fully_shard.py:fully_shard"}
+
+# What the harness shows for a hang (faulthandler's dump: most recent call first) ...
+STACKS = '''timed out after 6 s: ranks 0, 1 of 2 did not finish; a collective that not every rank calls?
+
+---- rank 0 stacks (most recent call first) ----
+Current thread 0x00007f0d (most recent call first):
+  File "/g/fsdp_assignment/task3_forward.py", line 40 in _my_own_helper
+  File "/g/fsdp_assignment/task3_forward.py", line 57 in unshard
+  File "/g/fsdp_assignment/task7_fully_shard.py", line 90 in fully_shard
+  File "/g/tests/public/test_task7_fully_shard.py", line 12 in _body
+
+---- rank 1 stacks (most recent call first) ----
+Current thread 0x00007f0e (most recent call first):
+  File "/g/fsdp_assignment/task7_fully_shard.py", line 95 in fully_shard
+  File "/g/tests/public/test_task7_fully_shard.py", line 12 in _body
+'''
+# ... and for a collective that timed out inside a rank (a traceback: most recent call last).
+TRACEBACK = '''rank 0 of 2 raised RuntimeError: [gloo/transport/tcp/pair.cc:534] Timed out waiting 6000ms for recv
+
+Traceback (most recent call last):
+  File "/g/tests/public/test_task1_meta_init.py", line 30, in _body
+    adapters.materialize_meta_module(model, "cpu")
+  File "/g/fsdp_assignment/task1_meta_init.py", line 44, in materialize_meta_module
+    _replay(unit)
+  File "/g/fsdp_assignment/task1_meta_init.py", line 60, in _replay
+    dist.all_reduce(x)
+RuntimeError: Timed out waiting 6000ms for recv
+'''
+
+
+def test_a_hang_is_blamed_on_the_innermost_known_task_function():
+    assert hung_functions(STACKS, KNOWN) == ["task3_forward.py:unshard", "task7_fully_shard.py:fully_shard"]
+    assert hung_functions(TRACEBACK, KNOWN) == ["task1_meta_init.py:materialize_meta_module"]
+    assert hung_functions("timed out after 6 s\n  File \"/g/tests/x.py\", line 1 in _body\n", KNOWN) == []
+    assert grading_plugin._is_hang(type("F", (), {"kind": "timeout", "__str__": lambda s: "x"})())
+    timed_out = type("F", (), {"kind": "raised", "__str__": lambda s: TRACEBACK})()
+    assert grading_plugin._is_hang(timed_out)
+    wrong = type("F", (), {"kind": "raised", "__str__": lambda s: "rank 0 of 2 raised AssertionError: 1 != 2"})()
+    assert not grading_plugin._is_hang(wrong)
+
+
+def test_shares_follow_what_each_task_needs_at_load_10():
+    class Config:
+        def getoption(self, name):
+            return {"--grade-record": None, "--grade-record-calls": False, "--grade-times": "none"}[name]
+
+    limits = TimeLimits(Config(), budget=480)
+    limits.enabled = True
+    limits.times = {"a": {"seconds": 10.0}, "b": {"seconds": 0.1}, "c": {"seconds": 2.0}}
+    assert limits.limit("a") == 150.0 and limits.limit("b") == 30.0
+    limits.plan([("a", 1), ("b", 2), ("c", 2)])
+    # needs: task 1 10 x 10 = 100; task 2 10 x 0.5 + 10 x 2 = 25  ->  shares 384 and 96 of 480
+    assert limits.share == pytest.approx({1: 384.0, 2: 96.0})
+    assert limits.why_not_run("a", 1, elapsed=0.0) is None
+    limits.spent[1] = 384.0 + 1  # task 1 hung through its share: task 2's stays reserved
+    assert limits.why_not_run("a", 1, elapsed=385.0) is not None
+    assert limits.why_not_run("b", 2, elapsed=385.0) is None
+
+
+def test_every_graded_test_has_a_measured_time():
+    data = json.loads(grading_plugin.TIMES_FILE.read_text())
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-m", " or ".join(f"task{n}" for n in range(1, 8)), "tests/public", "tests/hidden"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    graded = [line for line in proc.stdout.splitlines() if "::" in line and "nccl" not in line]
+    assert graded, proc.stdout[-2000:] + proc.stderr[-2000:]
+    missing = [n for n in graded if n not in data["tests"] or data["tests"][n].get("seconds") is None]
+    assert not missing, (f"{len(missing)} graded tests have no measured time in {grading_plugin.TIMES_FILE.name}: "
+                         f"{missing[:5]}; run python staff/autograder/measure_times.py")
+    # The traced calls name functions the reference still has (a renamed function would never be skipped).
+    import ast
+    defined = set()
+    for path in (ROOT / "fsdp_assignment" / "reference").glob("task[0-9]_*.py"):
+        defined |= {f"{path.name}:{n.name}" for n in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    calls = {c for entry in data["tests"].values() for c in entry["calls"]}
+    stale = sorted(calls - defined)
+    assert not stale, f"test_times.json names functions the reference no longer has: {stale[:5]}; regenerate it"
+    assert len(calls) > 20, "the traced calls are missing: regenerate test_times.json"
+
+
+# ---- the plugin on a fake tree ------------------------------------------------------------------------------
+POINTS = """
+TASK_POINTS = {1: 10, 2: 10}
+TASK_TITLES = {1: "one", 2: "two"}
+DEFAULT_WEIGHT = 1.0
+"""
+
+TESTS = '''
+import os, time
+import pytest
+
+
+class FakeRankFailure(AssertionError):
+    """What tests.harness raises (the plugin reads only .kind and the message)."""
+    def __init__(self, message, kind):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _hang_until_the_deadline(function):
+    if os.environ.get("FAKE_WAIT") == "1":  # as the harness would: wait out the deadline, then fail
+        time.sleep(max(0.0, float(os.environ["FSDP_RANK_DEADLINE"]) - time.time()))
+    raise FakeRankFailure(
+        "timed out after 3 s: rank 0 of 2 did not finish\\n\\n---- rank 0 stacks (most recent call first) ----\\n"
+        "Current thread 0x01 (most recent call first):\\n"
+        f"  File \\"/g/fsdp_assignment/{function.split(':')[0]}\\", line 9 in helper\\n"
+        f"  File \\"/g/fsdp_assignment/{function.split(':')[0]}\\", line 20 in {function.split(':')[1]}\\n",
+        "timeout")
+
+
+@pytest.mark.task1
+def test_1a_hangs():
+    _hang_until_the_deadline(os.environ["FAKE_HANG_IN"])
+
+
+@pytest.mark.task1
+def test_1b_calls_the_hung_function():
+    raise AssertionError("must not run: it calls the function that hung")
+
+
+@pytest.mark.task1
+def test_1c_does_not_call_it():
+    pass
+
+
+@pytest.mark.task2
+def test_2a_passes():
+    assert os.environ.get("FSDP_RANK_DEADLINE"), "every graded test runs with a deadline"
+'''
+
+
+def _fake_tree(tmp_path: Path, times: dict) -> Path:
+    (tmp_path / "tests" / "public").mkdir(parents=True)
+    (tmp_path / "tests" / "points.py").write_text(POINTS)
+    (tmp_path / "tests" / "public" / "test_fake.py").write_text(TESTS)
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\nmarkers = ["task1: one", "task2: two"]\n')
+    (tmp_path / "times.json").write_text(json.dumps({"tests": {
+        f"tests/public/test_fake.py::{name}": entry for name, entry in times.items()}}))
+    return tmp_path
+
+
+def _grade(tree: Path, *extra: str, **env) -> dict:
+    results = tree / "results.json"
+    cmd = [sys.executable, "-m", "pytest", "-p", "staff.autograder.grading_plugin", "-p", "no:cacheprovider",
+           "-c", str(tree / "pyproject.toml"), "--rootdir", str(tree), "-q", "--grade-results", str(results),
+           "--grade-times", str(tree / "times.json"), "tests/public", *extra]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "FSDP_"))}
+    clean.update(PYTHONPATH=str(ROOT), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", **env)
+    proc = subprocess.run(cmd, cwd=tree, env=clean, capture_output=True, text=True, timeout=600)
+    data = json.loads(results.read_text())
+    data["_stdout"] = proc.stdout
+    return {t["name"].split("::", 1)[1]: t for t in data["tests"]} | {"_stdout": proc.stdout}
+
+
+def test_later_tests_that_call_a_hung_function_are_not_run(tmp_path):
+    fn = "task1_meta_init.py:materialize_meta_module"
+    tree = _fake_tree(tmp_path, {"test_1a_hangs": {"seconds": 0.1, "calls": [fn]},
+                                 "test_1b_calls_the_hung_function": {"seconds": 0.1, "calls": [fn]},
+                                 "test_1c_does_not_call_it": {"seconds": 0.1, "calls": ["task2_flat_param.py:x"]},
+                                 "test_2a_passes": {"seconds": 0.1, "calls": []}})
+    tests = _grade(tree, "--grade-budget", "15", FAKE_HANG_IN=fn)  # the hang fails at once here
+    assert tests["test_1a_hangs"]["status"] == "failed"
+    assert "materialize_meta_module() (Task 1, fsdp_assignment/task1_meta_init.py) hung here" in \
+        tests["test_1a_hangs"]["output"]
+    skipped = tests["test_1b_calls_the_hung_function"]
+    assert skipped["status"] == "failed" and skipped["score"] == 0
+    assert skipped["output"].split("\n\n")[1].startswith(
+        "not run: materialize_meta_module() (Task 1, fsdp_assignment/task1_meta_init.py) hung in "
+        "test_fake.py::test_1a_hangs"), skipped["output"]
+    assert tests["test_1c_does_not_call_it"]["status"] == "passed"
+    assert tests["test_2a_passes"]["status"] == "passed", tests["test_2a_passes"]["output"]
+
+
+def test_a_task_that_spends_its_share_cannot_spend_the_next_ones(tmp_path):
+    """A hang in a function the reference never calls (a student's own): nothing is skipped by name, but the
+    task's share bounds what its tests may spend, and the next task's share is untouched."""
+    tree = _fake_tree(tmp_path, {"test_1a_hangs": {"seconds": 0.1, "calls": []},
+                                 "test_1b_calls_the_hung_function": {"seconds": 0.1, "calls": []},
+                                 "test_1c_does_not_call_it": {"seconds": 0.1, "calls": []},
+                                 "test_2a_passes": {"seconds": 0.1, "calls": []}})
+    # Budget 15 s: shares 11.25 s (task 1: three tests) and 3.75 s (task 2). The hang waits out its limit, which is
+    # what task 1 may spend (15 - 3.75 s), not its own limit (the 30 s floor).
+    tests = _grade(tree, "--grade-budget", "15", FAKE_HANG_IN="task1_meta_init.py:my_own_helper", FAKE_WAIT="1")
+    assert tests["test_1a_hangs"]["status"] == "failed"
+    assert "time limit: 11 s" in tests["test_1a_hangs"]["output"], tests["test_1a_hangs"]["output"]
+    for name in ("test_1b_calls_the_hung_function", "test_1c_does_not_call_it"):
+        body = tests[name]["output"].split("\n\n")[1]
+        assert body.startswith("not run: Task 1's share of the grading time (11 s of 15 s) was used up"), body
+    # Task 2 kept its share: the hang took what task 1 had (and nothing of task 2's), so task 2 still ran.
+    assert tests["test_2a_passes"]["status"] == "passed", tests["test_2a_passes"]["output"]
+    assert "task shares of the budget" in tests["_stdout"]
