@@ -235,6 +235,12 @@ class Grader:
         why = self.limits.why_not_run(item.nodeid, rec.task, time.time() - self.start)
         if why is not None:  # reported at once, with its reason; the run goes on with the next test
             rec.state, rec.failed_phase, rec.failure = "done", "not run", why
+            # What runtestprotocol would do after the item: tear down the fixtures the next item does not share
+            # (the previous item kept those this one would have used; left up, the next setup would fail).
+            try:
+                item.session._setupstate.teardown_exact(nextitem)
+            except Exception:
+                pass
             reporter = self.config.pluginmanager.get_plugin("terminalreporter")
             if reporter is not None:
                 reporter.write_line(f"{item.nodeid}: {why.splitlines()[0]}")

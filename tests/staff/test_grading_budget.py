@@ -153,6 +153,14 @@ def test_1c_does_not_call_it():
     pass
 
 
+'''
+
+# In a module of its own: a test that is not run must not leave the previous test's module fixtures up.
+TESTS_2 = '''
+import os
+import pytest
+
+
 @pytest.mark.task2
 def test_2a_passes():
     assert os.environ.get("FSDP_RANK_DEADLINE"), "every graded test runs with a deadline"
@@ -163,9 +171,11 @@ def _fake_tree(tmp_path: Path, times: dict) -> Path:
     (tmp_path / "tests" / "public").mkdir(parents=True)
     (tmp_path / "tests" / "points.py").write_text(POINTS)
     (tmp_path / "tests" / "public" / "test_fake.py").write_text(TESTS)
+    (tmp_path / "tests" / "public" / "test_fake2.py").write_text(TESTS_2)
     (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\nmarkers = ["task1: one", "task2: two"]\n')
     (tmp_path / "times.json").write_text(json.dumps({"tests": {
-        f"tests/public/test_fake.py::{name}": entry for name, entry in times.items()}}))
+        f"tests/public/test_fake{'2' if name.startswith('test_2') else ''}.py::{name}": entry
+        for name, entry in times.items()}}))
     return tmp_path
 
 
