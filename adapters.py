@@ -92,7 +92,8 @@ def reshard(flat_param) -> None:
 
 
 def register_forward_hooks(unit) -> None:
-    return _task(3).register_forward_hooks(unit)
+    """Register Task 3's forward life cycle (``ForwardHooks``) on ``unit.module``: unshard before, reshard after."""
+    return _task(3).ForwardHooks().register(unit)
 
 
 # ---- Task 4: backward -----------------------------------------------------------------------------------
@@ -108,8 +109,9 @@ def gather_full(flat_param) -> dict[str, torch.Tensor]:
     return _task(5).gather_full(flat_param)
 
 
-def register_post_backward_hooks(unit) -> None:
-    return _task(4).register_post_backward_hooks(unit)
+def register_backward_hooks(unit) -> None:
+    """Register Task 4's life cycle (``BackwardHooks``: Task 3's forward plus pre-/post-backward) on ``unit.module``."""
+    return _task(4).BackwardHooks().register(unit)
 
 
 # ---- Task 5: state dicts --------------------------------------------------------------------------------
@@ -130,6 +132,11 @@ def set_optimizer_state_dict(module: nn.Module, optimizer, state_dict: dict[str,
 
 
 # ---- Task 6: prefetching --------------------------------------------------------------------------------
+def register_prefetch_hooks(unit) -> None:
+    """Register Task 6's life cycle (``PrefetchHooks``: Task 4's plus prefetching when it is on) on ``unit.module``."""
+    return _task(6).PrefetchHooks().register(unit)
+
+
 def set_prefetch(module: nn.Module, enabled: bool) -> None:
     """Turn forward/backward prefetch and async reduce-scatter on or off for the tree rooted at ``module``."""
     return _task(6).set_prefetch(module, enabled)

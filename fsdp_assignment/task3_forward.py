@@ -53,23 +53,34 @@ def reshard_unit(unit: FSDPUnit) -> None:
     raise NotImplementedError("Task 3: implement reshard_unit() in fsdp_assignment/task3_forward.py (see its docstring)")
 
 
-def pre_forward(unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Runs before ``unit.module.forward``: unshard the unit and return the (possibly cast) inputs.
+def cast_forward_inputs(unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """With ``unit.param_dtype`` set and ``unit.cast_forward_inputs`` true, cast every floating-point tensor
+    in ``args``/``kwargs`` (nested lists, tuples and dicts included) to ``param_dtype``, the dtype of the
+    unsharded parameters; otherwise return them unchanged."""
+    raise NotImplementedError("Task 3: implement cast_forward_inputs() in fsdp_assignment/task3_forward.py (see its docstring)")
 
-    Steps: mark the unit FORWARD; with prefetching on, record the execution order and issue the next
-    unit's all-gather (Task 6); make the unit UNSHARDED (``wait_for_unshard``); with ``param_dtype`` set,
-    cast floating-point inputs to it (the unsharded parameters are in that dtype).
+
+class ForwardHooks:
+    """A unit's life cycle in forward, run by hooks on ``unit.module``.
+
+    Tasks 4 and 6 extend this class (``BackwardHooks(ForwardHooks)``, ``PrefetchHooks(BackwardHooks)``):
+    each overrides the steps it adds to and calls ``super()`` for the rest, so the whole life cycle of a unit
+    is composed in one chain of classes, and Task 7's ``fully_shard`` registers the last one. Methods call
+    each other through ``self``, so a later task's override is the one that runs. The class keeps no state:
+    everything lives on the unit (``FSDPUnit``) and its tree (``SharedState``).
     """
-    raise NotImplementedError("Task 3: implement pre_forward() in fsdp_assignment/task3_forward.py (see its docstring)")
 
+    def register(self, unit: FSDPUnit) -> None:
+        """Register ``self.pre_forward`` as ``unit.module``'s forward pre-hook (with kwargs) and
+        ``self.post_forward`` as its forward hook. Call it once per unit."""
+        raise NotImplementedError("Task 3: implement ForwardHooks.register() in fsdp_assignment/task3_forward.py (see its docstring)")
 
-def post_forward(unit: FSDPUnit, output):
-    """Runs after ``unit.module.forward``: reshard if ``unit.reshard_after_forward`` (the root too: the
-    backward re-gathers it first thing), and, when autograd is recording, register the pre-backward hook on
-    the output (Task 4). Returns the output."""
-    raise NotImplementedError("Task 3: implement post_forward() in fsdp_assignment/task3_forward.py (see its docstring)")
+    def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Runs before ``unit.module.forward``: mark the unit FORWARD, make it UNSHARDED
+        (``wait_for_unshard``) and return the inputs cast by ``cast_forward_inputs``."""
+        raise NotImplementedError("Task 3: implement ForwardHooks.pre_forward() in fsdp_assignment/task3_forward.py (see its docstring)")
 
-
-def register_forward_hooks(unit: FSDPUnit) -> None:
-    """Register ``pre_forward`` and ``post_forward`` as ``unit.module``'s forward pre-hook and forward hook."""
-    raise NotImplementedError("Task 3: implement register_forward_hooks() in fsdp_assignment/task3_forward.py (see its docstring)")
+    def post_forward(self, unit: FSDPUnit, output):
+        """Runs after ``unit.module.forward``: reshard the unit if ``unit.reshard_after_forward`` (the root
+        too), mark it IDLE, and return ``output`` unchanged."""
+        raise NotImplementedError("Task 3: implement ForwardHooks.post_forward() in fsdp_assignment/task3_forward.py (see its docstring)")

@@ -1,14 +1,29 @@
 """Task 4: backward.
 
 A unit that resharded after forward must be all-gathered again before autograd runs its backward, because
-the views autograd saved point into the (now empty) unsharded buffer. Once autograd has accumulated every
-gradient of a unit's views into the padded flat gradient ``unsharded.grad``, the unit reduce-scatters it
-(mean over ranks) into its shard's ``.grad`` and frees both the full gradient and the full parameters.
+the views autograd saved point into the (now empty) unsharded buffer. As soon as autograd has finished the
+unit's backward, the unit reduce-scatters its padded flat gradient ``unsharded.grad`` (mean over ranks) into
+its shard's ``.grad`` and frees both the full gradient and the full parameters: trainable or frozen.
+
+Why "finished the unit's backward" and not "its gradient is ready": take a LoRA-style model, where every
+block holds a frozen base weight and a small trainable adapter. The frozen FlatParameter never gets a
+gradient, so nothing on it tells you when its block is done; if only the final callback freed it, every
+block's frozen weights would be unsharded at the end of backward at once, which is the whole model. So, as
+PyTorch's FSDP2 does, the unit applies an identity autograd function to its forward *inputs*
+(``RegisterPostBackward``): autograd calls its backward once the gradients of those inputs are complete,
+after every operation of the unit has run its backward, and that backward calls ``post_backward``.
 
 Invariants: every reduce-scatter has finished and landed in ``shard.grad`` when ``loss.backward()``
-returns (``finalize_backward`` runs as autograd's final callback); the padding of ``shard.grad`` is zero;
-no unit stays unsharded after backward; a unit whose parameters got no gradient never blocks (there is
-simply nothing to reduce for it, on every rank alike).
+returns (``finalize_backward`` runs as autograd's final callback, the backstop for units whose
+post-backward autograd never ran: inputs that need no gradient, detached outputs, units not used); the
+padding of ``shard.grad`` is zero; no unit stays unsharded after backward, and at most the units whose
+backward is running (plus Task 6's prefetched one) are unsharded during it; a unit whose parameters got no
+gradient never blocks (there is nothing to reduce for it, on every rank alike).
+
+Known difference from single-process PyTorch: a trainable parameter that took no part in the forward still
+gets a gradient, of zeros, when another parameter of its FlatParameter got one (autograd fills the whole
+flat gradient), where plain PyTorch leaves its ``.grad`` at ``None``. Optimizers treat the two differently
+(AdamW's weight decay moves a parameter whose gradient is zero, and skips one whose gradient is ``None``).
 """
 # This file is generated from the staff reference by staff/make_stubs.py: the signatures and
 # docstrings are the specification. Replace each `raise NotImplementedError` with your code; you may
@@ -20,7 +35,7 @@ import torch
 import torch.distributed as dist
 from .support.state import FSDPUnit, ShardedState, SharedState, TrainingState
 from .task2_flat_param import FlatParameter
-from .task3_forward import reshard, reshard_unit, wait_for_unshard
+from .task3_forward import ForwardHooks, cast_forward_inputs, reshard_unit, wait_for_unshard
 
 
 def reduce_scatter_grad(flat_param: FlatParameter, unsharded_grad: torch.Tensor,
@@ -41,37 +56,89 @@ def accumulate_shard_grad(flat_param: FlatParameter, grad_shard: torch.Tensor) -
     raise NotImplementedError("Task 4: implement accumulate_shard_grad() in fsdp_assignment/task4_backward.py (see its docstring)")
 
 
-def register_pre_backward_hook(unit: FSDPUnit, output):
-    """Arrange for ``pre_backward(unit)`` to run once, when autograd first reaches any of ``output``'s
-    tensors that require grad, i.e. before any of this unit's backward computation. Returns ``output``."""
-    raise NotImplementedError("Task 4: implement register_pre_backward_hook() in fsdp_assignment/task4_backward.py (see its docstring)")
+class RegisterPostBackward(torch.autograd.Function):
+    """Identity on the unit's forward inputs; its backward, which autograd runs once the gradients of those
+    inputs are complete (after every operation of the unit), calls ``hooks.post_backward(unit)``."""
+
+    @staticmethod
+    def forward(ctx, hooks, unit, *inputs):
+        raise NotImplementedError("Task 4: implement RegisterPostBackward.forward() in fsdp_assignment/task4_backward.py (see its docstring)")
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError("Task 4: implement RegisterPostBackward.backward() in fsdp_assignment/task4_backward.py (see its docstring)")
 
 
-def pre_backward(unit: FSDPUnit) -> None:
-    """Before the unit's backward: queue ``finalize_backward`` once per backward pass (autograd's final
-    callback), re-gather the unit if it was resharded, and (Task 6) prefetch the next unit to run backward."""
-    raise NotImplementedError("Task 4: implement pre_backward() in fsdp_assignment/task4_backward.py (see its docstring)")
+class BackwardHooks(ForwardHooks):
+    """Task 3's forward life cycle plus backward: pre-backward re-gather, post-backward reduce-scatter and
+    reshard, and the final callback. Task 6's ``PrefetchHooks`` extends it."""
 
+    def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Task 3's ``pre_forward``, after registering the post-backward trigger on the inputs.
 
-def register_post_backward_hooks(unit: FSDPUnit) -> None:
-    """Register ``post_backward(unit, flat_param)`` to run when autograd has finished accumulating the
-    gradient of each trainable ``flat_param.unsharded`` (``register_post_accumulate_grad_hook``)."""
-    raise NotImplementedError("Task 4: implement register_post_backward_hooks() in fsdp_assignment/task4_backward.py (see its docstring)")
+        When autograd is recording, pass the floating-point input tensors that require grad through
+        ``RegisterPostBackward`` (one call for all of them; none when no input requires grad) and continue
+        with the returned inputs. Do it *before* Task 3's ``pre_forward`` makes the parameter views: autograd
+        runs ready nodes newest first, so the views' node (which accumulates ``unsharded.grad``) is then
+        guaranteed to run before ``post_backward`` reads the gradient.
 
+        Activation checkpointing: a forward that runs while the unit is in PRE_BACKWARD is the recomputation
+        of a checkpointed region during the unit's own backward (``torch.utils.checkpoint`` with
+        ``use_reentrant=False``). It must only make sure the unit is unsharded (``wait_for_unshard``) and
+        return the cast inputs: no new post-backward trigger, no change of state.
+        """
+        raise NotImplementedError("Task 4: implement BackwardHooks.pre_forward() in fsdp_assignment/task4_backward.py (see its docstring)")
 
-def post_backward(unit: FSDPUnit, flat_param: FlatParameter) -> None:
-    """``flat_param.unsharded.grad`` is complete: reduce it into the shard's gradient and free memory.
+    def post_forward(self, unit: FSDPUnit, output):
+        """Task 3's ``post_forward``; then, when autograd is recording, arrange for ``self.pre_backward(unit)``
+        to run once, when autograd first reaches any of ``output``'s tensors that require grad
+        (``torch.autograd.graph.register_multi_grad_hook(..., mode="any")``). During a recomputation
+        (the unit is in PRE_BACKWARD, see ``pre_forward``) do nothing: the unit stays unsharded for the
+        backward that is running. Returns ``output``."""
+        raise NotImplementedError("Task 4: implement BackwardHooks.post_forward() in fsdp_assignment/task4_backward.py (see its docstring)")
 
-    With gradient sync on (``unit.requires_gradient_sync``): reduce-scatter the gradient (plus any gradient
-    accumulated without sync) in ``reduce_dtype`` and add it to ``shard.grad``; asynchronously when
-    prefetching (Task 6: at most one reduce-scatter in flight, the older one is finished first). With sync
-    off: keep the full gradient (in ``reduce_dtype``) for a later synced backward. Either way drop
-    ``unsharded.grad`` and reshard ``flat_param``: every backward node that uses its views has run.
-    """
-    raise NotImplementedError("Task 4: implement post_backward() in fsdp_assignment/task4_backward.py (see its docstring)")
+    def pre_backward(self, unit: FSDPUnit) -> None:
+        """Before the unit's backward: queue ``self.finalize_backward(unit.shared)`` as autograd's final
+        callback once per backward pass (``torch.autograd.Variable._execution_engine.queue_callback``;
+        ``shared.backward_callback_queued`` says whether it is queued), mark the unit PRE_BACKWARD and
+        make it UNSHARDED (``wait_for_unshard``: re-gathers it if it was resharded)."""
+        raise NotImplementedError("Task 4: implement BackwardHooks.pre_backward() in fsdp_assignment/task4_backward.py (see its docstring)")
 
+    def post_backward(self, unit: FSDPUnit) -> None:
+        """The unit's backward is done: reduce its gradients and reshard it, frozen parameters included.
 
-def finalize_backward(shared: SharedState) -> None:
-    """Autograd's final callback: finish every pending reduce-scatter, reshard every unit that is still
-    unsharded (frozen parameters, units whose parameters got no gradient), and reset the states."""
-    raise NotImplementedError("Task 4: implement finalize_backward() in fsdp_assignment/task4_backward.py (see its docstring)")
+        For each trainable FlatParameter whose ``unsharded.grad`` is set: drop ``unsharded.grad`` and hand
+        it to ``self.reduce_grad``. Then reshard the unit (``reshard_unit``) and mark it POST_BACKWARD.
+        Safe to call more than once per backward (a unit run twice in forward gets one call per run: each
+        reduces what was accumulated since the last) and when nothing happened (nothing to reduce).
+        """
+        raise NotImplementedError("Task 4: implement BackwardHooks.post_backward() in fsdp_assignment/task4_backward.py (see its docstring)")
+
+    def reduce_grad(self, unit: FSDPUnit, flat_param: FlatParameter, grad: torch.Tensor) -> None:
+        """Reduce one full flat gradient ``grad`` of ``flat_param`` into ``flat_param.shard.grad``.
+
+        ``grad`` is kept in ``reduce_dtype`` (``unit.reduce_dtype``, else its own dtype) and added to any
+        gradient accumulated without sync (``flat_param.unsynced_grad``, which is then cleared). With
+        gradient sync off (``unit.requires_gradient_sync`` False, Task 7) the sum is stored back in
+        ``unsynced_grad`` for a later synced backward; with sync on it is reduce-scattered
+        (``reduce_scatter_grad``, synchronously here; Task 6 overrides ``reduce_scatter`` to go async)
+        and added to ``shard.grad`` (``accumulate_shard_grad``)."""
+        raise NotImplementedError("Task 4: implement BackwardHooks.reduce_grad() in fsdp_assignment/task4_backward.py (see its docstring)")
+
+    def reduce_scatter(self, unit: FSDPUnit, flat_param: FlatParameter, grad: torch.Tensor) -> None:
+        """Reduce-scatter ``grad`` (already in ``reduce_dtype``) and add this rank's slice to
+        ``flat_param.shard.grad``, synchronously."""
+        raise NotImplementedError("Task 4: implement BackwardHooks.reduce_scatter() in fsdp_assignment/task4_backward.py (see its docstring)")
+
+    def finalize_backward(self, shared: SharedState) -> None:
+        """Autograd's final callback, the backstop: run ``self.post_backward`` for every unit that is still
+        unsharded or holds an ``unsharded.grad`` (its post-backward autograd never ran: no input required
+        grad, its output was detached, or it ran forward but not backward), then ``self.wait_for_reductions``,
+        then mark every unit IDLE and clear ``shared.backward_callback_queued``. Units in reverse module
+        pre-order, roughly the order backward reaches them."""
+        raise NotImplementedError("Task 4: implement BackwardHooks.finalize_backward() in fsdp_assignment/task4_backward.py (see its docstring)")
+
+    def wait_for_reductions(self, shared: SharedState) -> None:
+        """Finish every reduction still in flight. Here they are all synchronous: nothing to do (Task 6
+        overrides it)."""
+        raise NotImplementedError("Task 4: implement BackwardHooks.wait_for_reductions() in fsdp_assignment/task4_backward.py (see its docstring)")

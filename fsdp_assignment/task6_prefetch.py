@@ -18,14 +18,20 @@ all-gather in flight is always waited on before its buffer is used or freed.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
-from .support.state import FSDPUnit, ShardedState, fsdp_units
+from .support.state import FSDPUnit, ShardedState, SharedState, fsdp_units, init_shared_state
+from .task2_flat_param import FlatParameter
 from .task3_forward import unshard
+from .task4_backward import BackwardHooks, accumulate_shard_grad, reduce_scatter_grad
 
 
 def set_prefetch(module: nn.Module, enabled: bool) -> None:
     """Turn prefetching (forward and backward all-gather prefetch, async reduce-scatter) on or off for the
-    tree of units rooted at ``module`` (a module passed to ``fully_shard``). Off by default."""
+    tree of units rooted at ``module`` (the root unit's module), by setting ``shared.prefetch``. Off by
+    default. Before the tree's first forward there is no ``SharedState`` yet: create it with
+    ``init_shared_state`` (provided), as Task 7's lazy init would; raise ``ValueError`` when ``module`` is
+    not a unit's module."""
     raise NotImplementedError("Task 6: implement set_prefetch() in fsdp_assignment/task6_prefetch.py (see its docstring)")
 
 
@@ -46,3 +52,31 @@ def prefetch_backward(unit: FSDPUnit) -> None:
     before it in this iteration's forward. The root is the exception: it ran first in forward, and its
     backward starts first (the loss is its output), so the unit after it is the last one to run forward."""
     raise NotImplementedError("Task 6: implement prefetch_backward() in fsdp_assignment/task6_prefetch.py (see its docstring)")
+
+
+class PrefetchHooks(BackwardHooks):
+    """Task 4's life cycle plus prefetching, active while ``unit.shared.prefetch`` is on: forward and
+    backward all-gather prefetch, and asynchronous reduce-scatters (at most one in flight). With prefetching
+    off every method behaves exactly as Task 4's. Task 7's ``fully_shard`` registers this class."""
+
+    def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """With prefetching on: ``record_forward_order(unit)``, then Task 4's ``pre_forward`` (the unit's own
+        all-gather is waited on first), then ``prefetch_forward(unit)``: so at most this unit and the next
+        one are unsharded. A forward that runs during backward (activation checkpointing recomputation:
+        ``torch._C._current_graph_task_id() != -1``) neither records nor prefetches."""
+        raise NotImplementedError("Task 6: implement PrefetchHooks.pre_forward() in fsdp_assignment/task6_prefetch.py (see its docstring)")
+
+    def pre_backward(self, unit: FSDPUnit) -> None:
+        """Task 4's ``pre_backward``, then, with prefetching on, ``prefetch_backward(unit)``."""
+        raise NotImplementedError("Task 6: implement PrefetchHooks.pre_backward() in fsdp_assignment/task6_prefetch.py (see its docstring)")
+
+    def reduce_scatter(self, unit: FSDPUnit, flat_param: FlatParameter, grad: torch.Tensor) -> None:
+        """With prefetching on: issue the reduce-scatter asynchronously and append ``(work, flat_param,
+        grad_shard, grad)`` to ``shared.pending_reduce_scatters`` (``grad`` stays referenced until the
+        collective has read it); then finish the older ones (wait, ``accumulate_shard_grad``) so that at
+        most one is in flight. Off: Task 4's synchronous ``reduce_scatter``."""
+        raise NotImplementedError("Task 6: implement PrefetchHooks.reduce_scatter() in fsdp_assignment/task6_prefetch.py (see its docstring)")
+
+    def wait_for_reductions(self, shared: SharedState) -> None:
+        """Finish every pending reduce-scatter (wait, then ``accumulate_shard_grad``), in issue order."""
+        raise NotImplementedError("Task 6: implement PrefetchHooks.wait_for_reductions() in fsdp_assignment/task6_prefetch.py (see its docstring)")

@@ -7,9 +7,10 @@
     optim = torch.optim.AdamW(model.parameters())   # parameters() now yields this rank's shards
 
 ``fully_shard`` works in place: it replaces the unit's own parameters by FlatParameters (Task 2),
-registers the forward hooks (Task 3) and post-backward hooks (Task 4), and swaps the module's class for a
-subclass that also inherits ``FSDPModule`` (as PyTorch's FSDP2 does), adding FSDP methods. The tree of
-units is set up lazily, at the first forward: the unit whose forward runs first is the root.
+registers the unit's whole life cycle (Task 6's ``PrefetchHooks``, which extends Task 4's ``BackwardHooks``,
+which extends Task 3's ``ForwardHooks``), and swaps the module's class for a subclass that also inherits
+``FSDPModule`` (as PyTorch's FSDP2 does), adding FSDP methods. The tree of units is set up lazily, at the
+first forward: the unit whose forward runs first is the root (``lazy_init``).
 """
 # This file is generated from the staff reference by staff/make_stubs.py: the signatures and
 # docstrings are the specification. Replace each `raise NotImplementedError` with your code; you may
@@ -23,9 +24,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from .support.state import FSDPUnit, fsdp_units, init_shared_state, named_flat_params
 from .task2_flat_param import FlatParameter
-from .task3_forward import register_forward_hooks
-from .task4_backward import register_post_backward_hooks
 from .task5_optim_ckpt import gather_full
+from .task6_prefetch import PrefetchHooks
 FLAT_PARAM_NAMES = ("_fsdp_flat_param", "_fsdp_flat_param_frozen")
 
 
@@ -49,15 +49,21 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     ``module`` as ``_fsdp_flat_param`` / ``_fsdp_flat_param_frozen``. ``mixed_precision`` is a
     ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` is the dtype parameters are gathered
     and computed in, ``reduce_dtype`` the dtype gradients are reduced in (default: ``param_dtype``).
-    The default process group must be initialized.
+    The default process group must be initialized. Raises ``ValueError`` when ``module`` is already a unit,
+    or when one of its parameters is also owned by a child unit (a parameter tied across units: apply
+    ``fully_shard`` to a module that contains every user of the tied parameter instead). A tied parameter
+    is kept under the first of its names in ``module.named_parameters(remove_duplicate=False)`` order.
+    Registers, in this order, a forward pre-hook that calls ``lazy_init`` at the first forward, then
+    ``PrefetchHooks().register(unit)``.
     """
     raise NotImplementedError("Task 7: implement fully_shard() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
 
 def lazy_init(root: FSDPUnit) -> None:
-    """At the root's first forward (or ``set_prefetch``): share one state among all units of the tree and
-    register their post-backward hooks. The hooks wait until now because ``materialize_meta_module`` may
-    have replaced the unsharded tensors they are registered on since ``fully_shard`` ran."""
+    """Called by the forward pre-hook ``fully_shard`` registers, at the first forward of a unit that has no
+    tree yet: that unit becomes the root and every unit in its module's subtree shares one ``SharedState``
+    (``init_shared_state``, provided). Done lazily because only then is the tree complete (children are
+    sharded before their parent) and the root known. ``set_prefetch`` (Task 6) may create the state earlier."""
     raise NotImplementedError("Task 7: implement lazy_init() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
 

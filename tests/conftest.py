@@ -81,6 +81,7 @@ def pytest_runtest_makereport(item, call):
             n = int(marker.name[4:])
             report.sections.append((f"Task {n}", (
                 f"This is a Task {n} ({TASK_TITLES.get(n, '?')}) test: run them alone with `python -m pytest -m task{n}`. "
-                f"Tests of a task also use the tasks before it, so a NotImplementedError naming an earlier task "
-                f"means: finish that one first.")))
+                f"Tests of a task use only that task and the tasks before it (Task 2's also check Task 1's "
+                f"meta-device init of sharded units), so a NotImplementedError naming an earlier task means: "
+                f"finish that one first.")))
             break

@@ -88,47 +88,48 @@ def _cast_floating(x, dtype: torch.dtype):
     return x
 
 
-def pre_forward(unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Runs before ``unit.module.forward``: unshard the unit and return the (possibly cast) inputs.
+def cast_forward_inputs(unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """With ``unit.param_dtype`` set and ``unit.cast_forward_inputs`` true, cast every floating-point tensor
+    in ``args``/``kwargs`` (nested lists, tuples and dicts included) to ``param_dtype``, the dtype of the
+    unsharded parameters; otherwise return them unchanged."""
+    if unit.param_dtype is None or not unit.cast_forward_inputs:
+        return args, kwargs
+    return _cast_floating(args, unit.param_dtype), _cast_floating(kwargs, unit.param_dtype)
 
-    Steps: mark the unit FORWARD; with prefetching on, record the execution order and issue the next
-    unit's all-gather (Task 6); make the unit UNSHARDED (``wait_for_unshard``); with ``param_dtype`` set,
-    cast floating-point inputs to it (the unsharded parameters are in that dtype).
+
+class ForwardHooks:
+    """A unit's life cycle in forward, run by hooks on ``unit.module``.
+
+    Tasks 4 and 6 extend this class (``BackwardHooks(ForwardHooks)``, ``PrefetchHooks(BackwardHooks)``):
+    each overrides the steps it adds to and calls ``super()`` for the rest, so the whole life cycle of a unit
+    is composed in one chain of classes, and Task 7's ``fully_shard`` registers the last one. Methods call
+    each other through ``self``, so a later task's override is the one that runs. The class keeps no state:
+    everything lives on the unit (``FSDPUnit``) and its tree (``SharedState``).
     """
-    unit.training_state = TrainingState.FORWARD
-    shared = unit.shared
-    if shared is not None and shared.prefetch:
-        from .task6_prefetch import prefetch_forward, record_forward_order
-        record_forward_order(unit)
+
+    def register(self, unit: FSDPUnit) -> None:
+        """Register ``self.pre_forward`` as ``unit.module``'s forward pre-hook (with kwargs) and
+        ``self.post_forward`` as its forward hook. Call it once per unit."""
+        def _pre_hook(module: nn.Module, args, kwargs):
+            return self.pre_forward(unit, args, kwargs)
+
+        def _post_hook(module: nn.Module, args, output):
+            return self.post_forward(unit, output)
+
+        unit.module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+        unit.module.register_forward_hook(_post_hook)
+
+    def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Runs before ``unit.module.forward``: mark the unit FORWARD, make it UNSHARDED
+        (``wait_for_unshard``) and return the inputs cast by ``cast_forward_inputs``."""
+        unit.training_state = TrainingState.FORWARD
         wait_for_unshard(unit)
-        prefetch_forward(unit)  # after our own wait: at most this unit and the next one are unsharded
-    else:
-        wait_for_unshard(unit)
-    if unit.param_dtype is not None and unit.cast_forward_inputs:
-        args, kwargs = _cast_floating(args, unit.param_dtype), _cast_floating(kwargs, unit.param_dtype)
-    return args, kwargs
+        return cast_forward_inputs(unit, args, kwargs)
 
-
-def post_forward(unit: FSDPUnit, output):
-    """Runs after ``unit.module.forward``: reshard if ``unit.reshard_after_forward`` (the root too: the
-    backward re-gathers it first thing), and, when autograd is recording, register the pre-backward hook on
-    the output (Task 4). Returns the output."""
-    if unit.reshard_after_forward:
-        reshard_unit(unit)
-    unit.training_state = TrainingState.IDLE
-    if torch.is_grad_enabled():
-        from .task4_backward import register_pre_backward_hook
-        output = register_pre_backward_hook(unit, output)
-    return output
-
-
-def register_forward_hooks(unit: FSDPUnit) -> None:
-    """Register ``pre_forward`` and ``post_forward`` as ``unit.module``'s forward pre-hook and forward hook."""
-    def _pre_hook(module: nn.Module, args, kwargs):
-        return pre_forward(unit, args, kwargs)
-
-    def _post_hook(module: nn.Module, args, output):
-        return post_forward(unit, output)
-
-    unit.module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
-    unit.module.register_forward_hook(_post_hook)
+    def post_forward(self, unit: FSDPUnit, output):
+        """Runs after ``unit.module.forward``: reshard the unit if ``unit.reshard_after_forward`` (the root
+        too), mark it IDLE, and return ``output`` unchanged."""
+        if unit.reshard_after_forward:
+            reshard_unit(unit)
+        unit.training_state = TrainingState.IDLE
+        return output

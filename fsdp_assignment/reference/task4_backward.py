@@ -1,14 +1,29 @@
 """Task 4: backward.
 
 A unit that resharded after forward must be all-gathered again before autograd runs its backward, because
-the views autograd saved point into the (now empty) unsharded buffer. Once autograd has accumulated every
-gradient of a unit's views into the padded flat gradient ``unsharded.grad``, the unit reduce-scatters it
-(mean over ranks) into its shard's ``.grad`` and frees both the full gradient and the full parameters.
+the views autograd saved point into the (now empty) unsharded buffer. As soon as autograd has finished the
+unit's backward, the unit reduce-scatters its padded flat gradient ``unsharded.grad`` (mean over ranks) into
+its shard's ``.grad`` and frees both the full gradient and the full parameters: trainable or frozen.
+
+Why "finished the unit's backward" and not "its gradient is ready": take a LoRA-style model, where every
+block holds a frozen base weight and a small trainable adapter. The frozen FlatParameter never gets a
+gradient, so nothing on it tells you when its block is done; if only the final callback freed it, every
+block's frozen weights would be unsharded at the end of backward at once, which is the whole model. So, as
+PyTorch's FSDP2 does, the unit applies an identity autograd function to its forward *inputs*
+(``RegisterPostBackward``): autograd calls its backward once the gradients of those inputs are complete,
+after every operation of the unit has run its backward, and that backward calls ``post_backward``.
 
 Invariants: every reduce-scatter has finished and landed in ``shard.grad`` when ``loss.backward()``
-returns (``finalize_backward`` runs as autograd's final callback); the padding of ``shard.grad`` is zero;
-no unit stays unsharded after backward; a unit whose parameters got no gradient never blocks (there is
-simply nothing to reduce for it, on every rank alike).
+returns (``finalize_backward`` runs as autograd's final callback, the backstop for units whose
+post-backward autograd never ran: inputs that need no gradient, detached outputs, units not used); the
+padding of ``shard.grad`` is zero; no unit stays unsharded after backward, and at most the units whose
+backward is running (plus Task 6's prefetched one) are unsharded during it; a unit whose parameters got no
+gradient never blocks (there is nothing to reduce for it, on every rank alike).
+
+Known difference from single-process PyTorch: a trainable parameter that took no part in the forward still
+gets a gradient, of zeros, when another parameter of its FlatParameter got one (autograd fills the whole
+flat gradient), where plain PyTorch leaves its ``.grad`` at ``None``. Optimizers treat the two differently
+(AdamW's weight decay moves a parameter whose gradient is zero, and skips one whose gradient is ``None``).
 """
 
 from __future__ import annotations
@@ -18,7 +33,7 @@ import torch.distributed as dist
 
 from ..support.state import FSDPUnit, ShardedState, SharedState, TrainingState
 from .task2_flat_param import FlatParameter
-from .task3_forward import reshard, reshard_unit, wait_for_unshard
+from .task3_forward import ForwardHooks, cast_forward_inputs, reshard_unit, wait_for_unshard
 
 
 def _reduce_scatter_single(output, input, group, async_op):
@@ -63,91 +78,148 @@ def _flatten_tensors(x) -> list[torch.Tensor]:
     return []
 
 
-def register_pre_backward_hook(unit: FSDPUnit, output):
-    """Arrange for ``pre_backward(unit)`` to run once, when autograd first reaches any of ``output``'s
-    tensors that require grad, i.e. before any of this unit's backward computation. Returns ``output``."""
-    tensors = [t for t in _flatten_tensors(output) if t.requires_grad]
-    if tensors:
-        torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: pre_backward(unit), mode="any")
-    return output
+def _replace_tensors(x, new: dict[int, torch.Tensor]):
+    """``x`` with every tensor ``t`` for which ``id(t)`` is in ``new`` replaced by ``new[id(t)]``."""
+    if isinstance(x, torch.Tensor):
+        return new.get(id(x), x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_replace_tensors(v, new) for v in x)
+    if isinstance(x, dict):
+        return {k: _replace_tensors(v, new) for k, v in x.items()}
+    return x
 
 
-def pre_backward(unit: FSDPUnit) -> None:
-    """Before the unit's backward: queue ``finalize_backward`` once per backward pass (autograd's final
-    callback), re-gather the unit if it was resharded, and (Task 6) prefetch the next unit to run backward."""
-    shared = unit.shared
-    if shared is None:
-        raise RuntimeError("pre_backward: unit.shared is None; the tree was never initialized")
-    if not shared.backward_callback_queued:
-        shared.backward_callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: finalize_backward(shared))
-    unit.training_state = TrainingState.PRE_BACKWARD
-    wait_for_unshard(unit)
-    if shared.prefetch:
-        from .task6_prefetch import prefetch_backward
-        prefetch_backward(unit)
+class RegisterPostBackward(torch.autograd.Function):
+    """Identity on the unit's forward inputs; its backward, which autograd runs once the gradients of those
+    inputs are complete (after every operation of the unit), calls ``hooks.post_backward(unit)``."""
+
+    @staticmethod
+    def forward(ctx, hooks, unit, *inputs):
+        ctx.hooks, ctx.unit = hooks, unit
+        # Return views, not the inputs themselves: an autograd Function must not return its inputs as is.
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hooks.post_backward(ctx.unit)
+        return (None, None) + grads
 
 
-def register_post_backward_hooks(unit: FSDPUnit) -> None:
-    """Register ``post_backward(unit, flat_param)`` to run when autograd has finished accumulating the
-    gradient of each trainable ``flat_param.unsharded`` (``register_post_accumulate_grad_hook``)."""
-    for flat_param in unit.flat_params:
-        if flat_param.requires_grad:
-            flat_param.unsharded.register_post_accumulate_grad_hook(
-                lambda _tensor, fp=flat_param: post_backward(unit, fp))
+class BackwardHooks(ForwardHooks):
+    """Task 3's forward life cycle plus backward: pre-backward re-gather, post-backward reduce-scatter and
+    reshard, and the final callback. Task 6's ``PrefetchHooks`` extends it."""
 
+    def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Task 3's ``pre_forward``, after registering the post-backward trigger on the inputs.
 
-def post_backward(unit: FSDPUnit, flat_param: FlatParameter) -> None:
-    """``flat_param.unsharded.grad`` is complete: reduce it into the shard's gradient and free memory.
+        When autograd is recording, pass the floating-point input tensors that require grad through
+        ``RegisterPostBackward`` (one call for all of them; none when no input requires grad) and continue
+        with the returned inputs. Do it *before* Task 3's ``pre_forward`` makes the parameter views: autograd
+        runs ready nodes newest first, so the views' node (which accumulates ``unsharded.grad``) is then
+        guaranteed to run before ``post_backward`` reads the gradient.
 
-    With gradient sync on (``unit.requires_gradient_sync``): reduce-scatter the gradient (plus any gradient
-    accumulated without sync) in ``reduce_dtype`` and add it to ``shard.grad``; asynchronously when
-    prefetching (Task 6: at most one reduce-scatter in flight, the older one is finished first). With sync
-    off: keep the full gradient (in ``reduce_dtype``) for a later synced backward. Either way drop
-    ``unsharded.grad`` and reshard ``flat_param``: every backward node that uses its views has run.
-    """
-    unit.training_state = TrainingState.POST_BACKWARD
-    grad = flat_param.unsharded.grad
-    flat_param.unsharded.grad = None
-    reduce_dtype = unit.reduce_dtype or grad.dtype
-    grad = grad.to(reduce_dtype)
-    # Gradient accumulated by earlier backward passes without sync (Task 7), kept in reduce_dtype.
-    accumulated = flat_param.unsynced_grad
-    if accumulated is not None:
-        grad = accumulated.add_(grad)
-        flat_param.unsynced_grad = None
-    if not unit.requires_gradient_sync:
-        flat_param.unsynced_grad = grad
-    else:
+        Activation checkpointing: a forward that runs while the unit is in PRE_BACKWARD is the recomputation
+        of a checkpointed region during the unit's own backward (``torch.utils.checkpoint`` with
+        ``use_reentrant=False``). It must only make sure the unit is unsharded (``wait_for_unshard``) and
+        return the cast inputs: no new post-backward trigger, no change of state.
+        """
+        if unit.training_state == TrainingState.PRE_BACKWARD:
+            wait_for_unshard(unit)
+            return cast_forward_inputs(unit, args, kwargs)
+        if torch.is_grad_enabled():
+            inputs = [t for t in _flatten_tensors((args, kwargs)) if t.requires_grad]
+            if inputs:
+                outputs = RegisterPostBackward.apply(self, unit, *inputs)
+                new = {id(t): o for t, o in zip(inputs, outputs)}
+                args, kwargs = _replace_tensors(args, new), _replace_tensors(kwargs, new)
+        return super().pre_forward(unit, args, kwargs)
+
+    def post_forward(self, unit: FSDPUnit, output):
+        """Task 3's ``post_forward``; then, when autograd is recording, arrange for ``self.pre_backward(unit)``
+        to run once, when autograd first reaches any of ``output``'s tensors that require grad
+        (``torch.autograd.graph.register_multi_grad_hook(..., mode="any")``). During a recomputation
+        (the unit is in PRE_BACKWARD, see ``pre_forward``) do nothing: the unit stays unsharded for the
+        backward that is running. Returns ``output``."""
+        if unit.training_state == TrainingState.PRE_BACKWARD:
+            return output
+        output = super().post_forward(unit, output)
+        if torch.is_grad_enabled():
+            tensors = [t for t in _flatten_tensors(output) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self.pre_backward(unit),
+                                                              mode="any")
+        return output
+
+    def pre_backward(self, unit: FSDPUnit) -> None:
+        """Before the unit's backward: queue ``self.finalize_backward(unit.shared)`` as autograd's final
+        callback once per backward pass (``torch.autograd.Variable._execution_engine.queue_callback``;
+        ``shared.backward_callback_queued`` says whether it is queued), mark the unit PRE_BACKWARD and
+        make it UNSHARDED (``wait_for_unshard``: re-gathers it if it was resharded)."""
         shared = unit.shared
-        async_op = shared is not None and shared.prefetch
-        work, grad_shard = reduce_scatter_grad(flat_param, grad, unit.group, async_op=async_op)
-        if async_op:
-            # Keep ``grad`` referenced until the collective has read it.
-            shared.pending_reduce_scatters.append((work, flat_param, grad_shard, grad))
-            while len(shared.pending_reduce_scatters) > 1:
-                _finish_reduce_scatter(shared.pending_reduce_scatters.pop(0))
+        if shared is None:
+            raise RuntimeError("pre_backward: unit.shared is None; the tree was never initialized "
+                               "(support.state.init_shared_state, which Task 7's lazy_init calls)")
+        if not shared.backward_callback_queued:
+            shared.backward_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finalize_backward(shared))
+        unit.training_state = TrainingState.PRE_BACKWARD
+        wait_for_unshard(unit)
+
+    def post_backward(self, unit: FSDPUnit) -> None:
+        """The unit's backward is done: reduce its gradients and reshard it, frozen parameters included.
+
+        For each trainable FlatParameter whose ``unsharded.grad`` is set: drop ``unsharded.grad`` and hand
+        it to ``self.reduce_grad``. Then reshard the unit (``reshard_unit``) and mark it POST_BACKWARD.
+        Safe to call more than once per backward (a unit run twice in forward gets one call per run: each
+        reduces what was accumulated since the last) and when nothing happened (nothing to reduce).
+        """
+        unit.training_state = TrainingState.POST_BACKWARD
+        for flat_param in unit.flat_params:
+            grad = flat_param.unsharded.grad
+            if flat_param.requires_grad and grad is not None:
+                flat_param.unsharded.grad = None
+                self.reduce_grad(unit, flat_param, grad)
+        reshard_unit(unit)
+
+    def reduce_grad(self, unit: FSDPUnit, flat_param: FlatParameter, grad: torch.Tensor) -> None:
+        """Reduce one full flat gradient ``grad`` of ``flat_param`` into ``flat_param.shard.grad``.
+
+        ``grad`` is kept in ``reduce_dtype`` (``unit.reduce_dtype``, else its own dtype) and added to any
+        gradient accumulated without sync (``flat_param.unsynced_grad``, which is then cleared). With
+        gradient sync off (``unit.requires_gradient_sync`` False, Task 7) the sum is stored back in
+        ``unsynced_grad`` for a later synced backward; with sync on it is reduce-scattered
+        (``reduce_scatter_grad``, synchronously here; Task 6 overrides ``reduce_scatter`` to go async)
+        and added to ``shard.grad`` (``accumulate_shard_grad``)."""
+        grad = grad.to(unit.reduce_dtype or grad.dtype)
+        if flat_param.unsynced_grad is not None:
+            grad = flat_param.unsynced_grad.add_(grad)
+            flat_param.unsynced_grad = None
+        if not unit.requires_gradient_sync:
+            flat_param.unsynced_grad = grad
         else:
-            accumulate_shard_grad(flat_param, grad_shard)
-    reshard(flat_param)
-    if not any(fp.is_unsharded() for fp in unit.flat_params):
-        unit.sharded_state = ShardedState.SHARDED
+            self.reduce_scatter(unit, flat_param, grad)
 
+    def reduce_scatter(self, unit: FSDPUnit, flat_param: FlatParameter, grad: torch.Tensor) -> None:
+        """Reduce-scatter ``grad`` (already in ``reduce_dtype``) and add this rank's slice to
+        ``flat_param.shard.grad``, synchronously."""
+        _, grad_shard = reduce_scatter_grad(flat_param, grad, unit.group)
+        accumulate_shard_grad(flat_param, grad_shard)
 
-def _finish_reduce_scatter(pending) -> None:
-    work, flat_param, grad_shard, _input = pending
-    work.wait()
-    accumulate_shard_grad(flat_param, grad_shard)
+    def finalize_backward(self, shared: SharedState) -> None:
+        """Autograd's final callback, the backstop: run ``self.post_backward`` for every unit that is still
+        unsharded or holds an ``unsharded.grad`` (its post-backward autograd never ran: no input required
+        grad, its output was detached, or it ran forward but not backward), then ``self.wait_for_reductions``,
+        then mark every unit IDLE and clear ``shared.backward_callback_queued``. Units in reverse module
+        pre-order, roughly the order backward reaches them."""
+        for unit in reversed(shared.units):
+            if unit.sharded_state == ShardedState.UNSHARDED or unit.pending_unshard or any(
+                    fp.requires_grad and fp.unsharded.grad is not None for fp in unit.flat_params):
+                self.post_backward(unit)
+        self.wait_for_reductions(shared)
+        for unit in shared.units:
+            unit.training_state = TrainingState.IDLE
+        shared.backward_callback_queued = False
 
-
-def finalize_backward(shared: SharedState) -> None:
-    """Autograd's final callback: finish every pending reduce-scatter, reshard every unit that is still
-    unsharded (frozen parameters, units whose parameters got no gradient), and reset the states."""
-    for pending in shared.pending_reduce_scatters:
-        _finish_reduce_scatter(pending)
-    shared.pending_reduce_scatters.clear()
-    for unit in shared.units:
-        if unit.sharded_state == ShardedState.UNSHARDED or unit.pending_unshard:
-            reshard_unit(unit)
-        unit.training_state = TrainingState.IDLE
-    shared.backward_callback_queued = False
+    def wait_for_reductions(self, shared: SharedState) -> None:
+        """Finish every reduction still in flight. Here they are all synchronous: nothing to do (Task 6
+        overrides it)."""

@@ -15,21 +15,26 @@ all-gather in flight is always waited on before its buffer is used or freed.
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
-from ..support.state import FSDPUnit, ShardedState, fsdp_units
+from ..support.state import FSDPUnit, ShardedState, SharedState, fsdp_units, init_shared_state
+from .task2_flat_param import FlatParameter
 from .task3_forward import unshard
+from .task4_backward import BackwardHooks, accumulate_shard_grad, reduce_scatter_grad
 
 
 def set_prefetch(module: nn.Module, enabled: bool) -> None:
     """Turn prefetching (forward and backward all-gather prefetch, async reduce-scatter) on or off for the
-    tree of units rooted at ``module`` (a module passed to ``fully_shard``). Off by default."""
+    tree of units rooted at ``module`` (the root unit's module), by setting ``shared.prefetch``. Off by
+    default. Before the tree's first forward there is no ``SharedState`` yet: create it with
+    ``init_shared_state`` (provided), as Task 7's lazy init would; raise ``ValueError`` when ``module`` is
+    not a unit's module."""
     units = fsdp_units(module)
     if not units or units[0].module is not module:
         raise ValueError("set_prefetch: call it on the root module, after fully_shard(root)")
     if units[0].shared is None:
-        from .task7_fully_shard import lazy_init
-        lazy_init(units[0])
+        init_shared_state(units[0])
     units[0].shared.prefetch = enabled
 
 
@@ -72,3 +77,57 @@ def prefetch_backward(unit: FSDPUnit) -> None:
             _issue_unshard(order[i - 1])
         elif len(order) > 1:
             _issue_unshard(order[-1])
+
+
+def _in_backward() -> bool:
+    # True while autograd's engine runs a backward pass on this thread (FSDP2 asks the same way).
+    return torch._C._current_graph_task_id() != -1
+
+
+class PrefetchHooks(BackwardHooks):
+    """Task 4's life cycle plus prefetching, active while ``unit.shared.prefetch`` is on: forward and
+    backward all-gather prefetch, and asynchronous reduce-scatters (at most one in flight). With prefetching
+    off every method behaves exactly as Task 4's. Task 7's ``fully_shard`` registers this class."""
+
+    def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """With prefetching on: ``record_forward_order(unit)``, then Task 4's ``pre_forward`` (the unit's own
+        all-gather is waited on first), then ``prefetch_forward(unit)``: so at most this unit and the next
+        one are unsharded. A forward that runs during backward (activation checkpointing recomputation:
+        ``torch._C._current_graph_task_id() != -1``) neither records nor prefetches."""
+        if not unit.shared.prefetch or _in_backward():
+            return super().pre_forward(unit, args, kwargs)
+        record_forward_order(unit)
+        args, kwargs = super().pre_forward(unit, args, kwargs)
+        prefetch_forward(unit)
+        return args, kwargs
+
+    def pre_backward(self, unit: FSDPUnit) -> None:
+        """Task 4's ``pre_backward``, then, with prefetching on, ``prefetch_backward(unit)``."""
+        super().pre_backward(unit)
+        if unit.shared.prefetch:
+            prefetch_backward(unit)
+
+    def reduce_scatter(self, unit: FSDPUnit, flat_param: FlatParameter, grad: torch.Tensor) -> None:
+        """With prefetching on: issue the reduce-scatter asynchronously and append ``(work, flat_param,
+        grad_shard, grad)`` to ``shared.pending_reduce_scatters`` (``grad`` stays referenced until the
+        collective has read it); then finish the older ones (wait, ``accumulate_shard_grad``) so that at
+        most one is in flight. Off: Task 4's synchronous ``reduce_scatter``."""
+        shared = unit.shared
+        if not shared.prefetch:
+            return super().reduce_scatter(unit, flat_param, grad)
+        work, grad_shard = reduce_scatter_grad(flat_param, grad, unit.group, async_op=True)
+        shared.pending_reduce_scatters.append((work, flat_param, grad_shard, grad))
+        while len(shared.pending_reduce_scatters) > 1:
+            _finish_reduce_scatter(shared.pending_reduce_scatters.pop(0))
+
+    def wait_for_reductions(self, shared: SharedState) -> None:
+        """Finish every pending reduce-scatter (wait, then ``accumulate_shard_grad``), in issue order."""
+        for pending in shared.pending_reduce_scatters:
+            _finish_reduce_scatter(pending)
+        shared.pending_reduce_scatters.clear()
+
+
+def _finish_reduce_scatter(pending) -> None:
+    work, flat_param, grad_shard, _input = pending
+    work.wait()
+    accumulate_shard_grad(flat_param, grad_shard)

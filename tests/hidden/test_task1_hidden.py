@@ -1,5 +1,6 @@
-"""Task 1 (hidden): meta-device init of sharded units replays the RNG exactly; a module without
-reset_parameters() is refused."""
+"""Task 1 (hidden): meta-device init replays the RNG exactly (nested modules, a tied weight whose later owner
+sits mid-order, buffers); a module without reset_parameters() is refused. The sharded variant is Task 2's
+(tests/hidden/test_task2_hidden.py), as it needs FlatParameters."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch.nn as nn
 import adapters
 from fsdp_assignment.support.models import ToyMLP
 from tests.harness import run_ranks
-from tests.public.common import describe_flat_params, expected_shard, hand_shard
 
 pytestmark = pytest.mark.task1
 
@@ -31,54 +31,46 @@ class TiedMiddle(nn.Module):
         return self.out(torch.tanh(self.mix(self.embed(idx))))
 
 
-def _nested_toy_units(model):
-    return [m for b in model.blocks for m in (b.inner, b)] + [model]
-
-
-MODELS = {
-    # inside-out: each block's inner Sequential is a unit, then the block, then the root
-    "nested_toy": (lambda: ToyMLP(with_unused=True), _nested_toy_units),
-    "tied_middle": (TiedMiddle, lambda m: [m.mix, m]),
-}
+MODELS = {"nested_toy": lambda: ToyMLP(with_unused=True), "tied_middle": TiedMiddle}
 
 
 def _materialize(rank, world_size, seed):
     out = {}
-    for name, (make, units) in MODELS.items():
+    for name, make in MODELS.items():
         torch.manual_seed(seed)
         with torch.device("meta"):
             model = make()
-        hand_shard(model, units(model), backward=False)
         adapters.materialize_meta_module(model, "cpu")
         after = torch.rand(4)  # where the generator ended
         buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
-        out[name] = {"flat": describe_flat_params(model), "after": after, "buffers": buffers,
+        params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+        out[name] = {"params": params, "after": after, "buffers": buffers,
+                     "tied": name != "tied_middle" or model.proj.weight is model.embed.weight,
                      "meta_left": [n for n, t in model.state_dict().items() if t.is_meta]}
     return out
 
 
 @pytest.mark.weight(3)
-def test_sharded_meta_init_replays_the_rng_exactly():
-    world_size, seed = 3, 4321
-    results = run_ranks(_materialize, world_size, seed)
-    for name, (make, _) in MODELS.items():
+def test_meta_init_replays_the_rng_exactly():
+    seed = 4321
+    (got_all,) = run_ranks(_materialize, 1, seed)
+    for name, make in MODELS.items():
         torch.manual_seed(seed)
         eager = make()
         after = torch.rand(4)
-        full = {n: p for n, p in eager.named_parameters(remove_duplicate=False)}
-        for rank, got in enumerate(results):
-            got = got[name]
-            assert not got["meta_left"], f"{name}, rank {rank}: still on meta after materialize: {got['meta_left']}"
-            for desc in got["flat"]:
-                assert torch.equal(desc["shard"], expected_shard(desc, full)), (
-                    f"{name}, rank {rank}: the shard of unit '{desc['prefix'] or '<root>'}' differs from eager "
-                    f"init under the same seed: replay every module's reset_parameters() in module pre-order, "
-                    f"tied weights' later owners included (they consumed random numbers in eager init too)")
-            for k, v in eager.named_buffers():
-                assert torch.equal(got["buffers"][k], v), f"{name}, rank {rank}: buffer {k} differs from eager init"
-            assert torch.equal(got["after"], after), (
-                f"{name}, rank {rank}: the random generator ends in another state than after eager init: the "
-                f"replay consumed a different amount of random numbers")
+        got = got_all[name]
+        assert not got["meta_left"], f"{name}: still on meta after materialize: {got['meta_left']}"
+        assert got["tied"], f"{name}: proj.weight and embed.weight must stay one tied parameter"
+        for pname, p in eager.named_parameters(remove_duplicate=False):
+            assert torch.equal(got["params"][pname], p), (
+                f"{name}: parameter {pname} differs from eager init under the same seed: replay every module's "
+                f"reset_parameters() in module pre-order, tied weights' later owners included (they consumed "
+                f"random numbers in eager init too)")
+        for k, v in eager.named_buffers():
+            assert torch.equal(got["buffers"][k], v), f"{name}: buffer {k} differs from eager init"
+        assert torch.equal(got["after"], after), (
+            f"{name}: the random generator ends in another state than after eager init: the replay consumed a "
+            f"different amount of random numbers")
 
 
 class NoReset(nn.Module):

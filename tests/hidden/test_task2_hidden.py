@@ -1,5 +1,6 @@
 """Task 2 (hidden): padding and shard boundaries in the corner cases: W divides numel, W exceeds numel (whole
-shards of padding), a tied weight across shard boundaries; shard_range for every parameter."""
+shards of padding), a tied weight across shard boundaries; shard_range for every parameter. Task 1's meta-device
+init of sharded units (it needs FlatParameters) replays the RNG exactly."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import adapters
-from fsdp_assignment.support.models import TiedModel
+from fsdp_assignment.support.models import TiedModel, ToyMLP
 from tests.harness import run_ranks
+from tests.public.common import describe_flat_params, expected_shard, hand_shard
 
 pytestmark = pytest.mark.task2
 
@@ -95,3 +97,71 @@ def test_padding_edge_cases():
                         assert got == expected, (f"{where}, rank {d['r']}: shard_range({n!r}) = {tuple(got)}, "
                                                  f"expected {tuple(expected)} (start, end in the parameter; "
                                                  f"where that piece starts in the shard)")
+
+
+# ---- meta-device init of sharded units (Task 1's materialize_meta_module over Task 2's FlatParameters) ----
+class TiedMiddle(nn.Module):
+    """A tied weight whose later owner (``proj``) sits in the middle of the init order: the numbers its eager
+    init consumed decide the values of every module after it."""
+
+    def __init__(self, vocab: int = 17, dim: int = 7):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.proj = nn.Linear(dim, vocab, bias=False)
+        self.proj.weight = self.embed.weight
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, 5)
+
+    def forward(self, idx):
+        return self.out(torch.tanh(self.mix(self.embed(idx))))
+
+
+def _nested_toy_units(model):
+    return [m for b in model.blocks for m in (b.inner, b)] + [model]
+
+
+MODELS = {
+    # inside-out: each block's inner Sequential is a unit, then the block, then the root
+    "nested_toy": (lambda: ToyMLP(with_unused=True), _nested_toy_units),
+    "tied_middle": (TiedMiddle, lambda m: [m.mix, m]),
+}
+
+
+def _materialize(rank, world_size, seed):
+    out = {}
+    for name, (make, units) in MODELS.items():
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = make()
+        hand_shard(model, units(model), hooks=None)  # FlatParameters only
+        adapters.materialize_meta_module(model, "cpu")
+        after = torch.rand(4)  # where the generator ended
+        buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+        out[name] = {"flat": describe_flat_params(model), "after": after, "buffers": buffers,
+                     "meta_left": [n for n, t in model.state_dict().items() if t.is_meta]}
+    return out
+
+
+@pytest.mark.weight(3)
+def test_sharded_meta_init_replays_the_rng_exactly():
+    """Task 1's materialize_meta_module on units made of Task 2's FlatParameters (needs Tasks 1 and 2)."""
+    world_size, seed = 3, 4321
+    results = run_ranks(_materialize, world_size, seed)
+    for name, (make, _) in MODELS.items():
+        torch.manual_seed(seed)
+        eager = make()
+        after = torch.rand(4)
+        full = {n: p for n, p in eager.named_parameters(remove_duplicate=False)}
+        for rank, got in enumerate(results):
+            got = got[name]
+            assert not got["meta_left"], f"{name}, rank {rank}: still on meta after materialize: {got['meta_left']}"
+            for desc in got["flat"]:
+                assert torch.equal(desc["shard"], expected_shard(desc, full)), (
+                    f"{name}, rank {rank}: the shard of unit '{desc['prefix'] or '<root>'}' differs from eager "
+                    f"init under the same seed: replay every module's reset_parameters() in module pre-order, "
+                    f"tied weights' later owners included (they consumed random numbers in eager init too)")
+            for k, v in eager.named_buffers():
+                assert torch.equal(got["buffers"][k], v), f"{name}, rank {rank}: buffer {k} differs from eager init"
+            assert torch.equal(got["after"], after), (
+                f"{name}, rank {rank}: the random generator ends in another state than after eager init: the "
+                f"replay consumed a different amount of random numbers")

@@ -27,7 +27,7 @@ def _grads(model):
 def _run(rank, world_size, prefetch, trace):
     torch.manual_seed(0)
     model = GPT(CFG)
-    root = hand_shard_gpt(model)
+    root = hand_shard_gpt(model, hooks=6)
     root.shared.prefetch = prefetch
     units = adapters.fsdp_units(model)
     names = {id(u): ("root" if u.is_root else f"block{[b._fsdp_unit for b in model.blocks].index(u)}")

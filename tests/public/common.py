@@ -8,8 +8,10 @@ Two kinds, kept apart on purpose:
   which never imports an implementation. Everything graded is compared here, against plain single-process
   PyTorch, never against another FSDP implementation.
 
-``hand_shard`` wires FSDP units by hand from Tasks 2-4 (FlatParameter, forward hooks, post-backward hooks),
-so the tests of Tasks 1-6 do not need Task 7's ``fully_shard``.
+``hand_shard`` wires FSDP units by hand from Task 2's FlatParameter and the life cycle of the task under test
+(``hooks=3``: Task 3's forward hooks, ``4``: Task 4's forward and backward hooks, ``6``: Task 6's, with
+prefetching; ``None``: no hooks at all), so the tests of Tasks 2-6 need only the tasks up to theirs, never
+Task 7's ``fully_shard``.
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
+HOOKS = {3: adapters.register_forward_hooks, 4: adapters.register_backward_hooks, 6: adapters.register_prefetch_hooks}
+
+
 def hand_shard(root: nn.Module, unit_modules: list[nn.Module], *, reshard_after_forward: bool = True,
-               backward: bool = True):
+               hooks: int | None = 4):
     """Make each of ``unit_modules`` (children before parents, ``root`` last) an FSDP unit by hand.
 
     Each unit owns the parameters of its subtree that no earlier unit took, split into a trainable and a
-    frozen FlatParameter (Task 2); forward hooks (Task 3) and, with ``backward``, post-backward hooks (Task 4)
-    are registered; the units share one SharedState with ``root``'s unit as the root. Returns the root unit.
+    frozen FlatParameter (Task 2); the life cycle of Task ``hooks`` (3, 4 or 6; None: none) is registered;
+    the units share one SharedState with ``root``'s unit as the root. Returns the root unit.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for module in unit_modules:
@@ -56,9 +61,8 @@ def hand_shard(root: nn.Module, unit_modules: list[nn.Module], *, reshard_after_
                 flat_params.append(flat_param)
         unit = FSDPUnit(module=module, flat_params=flat_params, reshard_after_forward=reshard_after_forward)
         module._fsdp_unit = unit
-        adapters.register_forward_hooks(unit)
-        if backward:
-            adapters.register_post_backward_hooks(unit)
+        if hooks is not None:
+            HOOKS[hooks](unit)
     init_shared_state(root._fsdp_unit)
     return root._fsdp_unit
 

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import adapters
-from fsdp_assignment.support.models import TiedModel, ToyMLP
+from fsdp_assignment.support.memory import LiveStorageTracker
+from fsdp_assignment.support.models import GPT, GPTConfig, TiedModel, ToyMLP
 from tests.harness import run_ranks
+from tests.public.common import describe_flat_params, expected_shard, hand_shard_gpt
 
 pytestmark = pytest.mark.task2
 
@@ -150,3 +152,37 @@ def _meta(rank, world_size):
 def test_meta_parameters_give_a_meta_shard():
     (got,) = run_ranks(_meta, 1)
     assert got["meta"], "a FlatParameter over meta parameters must keep its shard on meta (Task 1 materializes it)"
+
+
+# ---- meta-device init of sharded units (Task 1's materialize_meta_module over Task 2's FlatParameters) ----
+def _materialize_sharded(rank, world_size, seed):
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    hand_shard_gpt(model, hooks=None)  # FlatParameters only (Task 2)
+    unit_full_bytes = [4 * sum(fp.padded_numel for fp in m._fsdp_unit.flat_params) for m in [*model.blocks, model]]
+    with LiveStorageTracker(device="cpu") as mem:
+        adapters.materialize_meta_module(model, "cpu")
+    shard_bytes = sum(4 * d["shard_numel"] for d in describe_flat_params(model))
+    buffers = {k: v.clone() for k, v in model.state_dict().items() if "_fsdp_flat_param" not in k}
+    return {"flat": describe_flat_params(model), "peak": mem.peak_bytes, "shard_bytes": shard_bytes,
+            "max_unit_bytes": max(unit_full_bytes), "buffers": buffers}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_meta_init_matches_eager_init_one_unit_at_a_time(world_size):
+    """Task 1's materialize_meta_module on units made of Task 2's FlatParameters (needs Tasks 1 and 2)."""
+    results = run_ranks(_materialize_sharded, world_size, 99)
+    torch.manual_seed(99)
+    eager = GPT(GPTConfig())
+    full = {n: p for n, p in eager.named_parameters(remove_duplicate=False)}
+    for rank, got in enumerate(results):
+        for desc in got["flat"]:
+            assert torch.equal(desc["shard"], expected_shard(desc, full)), \
+                f"rank {rank}: shard of unit '{desc['prefix'] or '<root>'}' differs from eager init"
+        # Shards stay; on top of them, at most one unit's full parameters may be alive at any moment.
+        bound = got["shard_bytes"] + got["max_unit_bytes"]
+        assert got["peak"] <= bound, (
+            f"rank {rank}: peak {got['peak']} bytes during materialization > shards ({got['shard_bytes']}) + "
+            f"the largest unit's padded full parameters ({got['max_unit_bytes']}): materialize unit by unit, "
+            "copy each slice into the shard and drop the full tensor")

@@ -48,7 +48,7 @@ def _forward(rank, world_size, reshard_after_forward):
     cfg = GPTConfig()
     torch.manual_seed(0)
     model = GPT(cfg)
-    hand_shard_gpt(model, reshard_after_forward=reshard_after_forward, backward=False)
+    hand_shard_gpt(model, reshard_after_forward=reshard_after_forward, hooks=3)
     idx, _ = local_batch(cfg, rank, world_size, step=0)
     with torch.no_grad():
         logits = model(idx)

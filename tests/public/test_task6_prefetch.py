@@ -21,7 +21,7 @@ REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_sc
 def _train(rank, world_size, prefetch, steps=3):
     torch.manual_seed(0)
     model = GPT(CFG)
-    root = hand_shard_gpt(model)
+    root = hand_shard_gpt(model, hooks=6)
     root.shared.prefetch = prefetch
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
@@ -46,7 +46,7 @@ def _trace(rank, world_size):
     """One warm-up step (records the order), then a traced step: every collective and every block forward."""
     torch.manual_seed(0)
     model = GPT(CFG)
-    root = hand_shard_gpt(model)
+    root = hand_shard_gpt(model, hooks=6)
     root.shared.prefetch = True
     units = adapters.fsdp_units(model)
     blocks = [b._fsdp_unit for b in model.blocks]
