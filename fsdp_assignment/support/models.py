@@ -172,6 +172,72 @@ def gpt_batch(cfg: GPTConfig, batch_size: int, seed: int, device: torch.device |
     return data[:, :-1].to(device), data[:, 1:].to(device)
 
 
+# --------------------------------------------------------------------------------------------------------
+# LoRA: every block keeps a frozen base weight and a small trainable low-rank adapter
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class LoRAConfig:
+    vocab_size: int = 37
+    block_size: int = 8
+    n_layer: int = 6
+    n_embd: int = 29
+    hidden: int = 43
+    rank: int = 3
+    freeze_embedding: bool = False  # True: the first block's input needs no gradient
+
+
+class LoRALinear(nn.Module):
+    """``base(x) + lora_b(lora_a(x))``: ``base`` is a frozen ``nn.Linear``, ``lora_a``/``lora_b`` a trainable
+    rank-``rank`` adapter. Unlike LoRA's paper, ``lora_b`` is not initialized to zero, so that both adapter
+    matrices get a nonzero gradient from the first step (the tests compare those gradients)."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int):
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Linear(d_in, rank, bias=False)
+        self.lora_b = nn.Linear(rank, d_out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+class LoRABlock(nn.Module):
+    """A pre-norm residual MLP block whose two linear layers are LoRALinear; its LayerNorm is frozen too, so
+    the block's only trainable parameters are the adapters."""
+
+    def __init__(self, cfg: LoRAConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.n_embd)
+        self.ln.requires_grad_(False)
+        self.fc = LoRALinear(cfg.n_embd, cfg.hidden, cfg.rank)
+        self.proj = LoRALinear(cfg.hidden, cfg.n_embd, cfg.rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(F.gelu(self.fc(self.ln(x))))
+
+
+class LoRAModel(nn.Module):
+    """Embedding, ``n_layer`` LoRABlocks, final LayerNorm and head (all trainable, except the embedding with
+    ``freeze_embedding``). The usual FSDP wrapping makes each block a unit: every unit then holds a frozen
+    FlatParameter (base weights, LayerNorm) beside a small trainable one (the adapters)."""
+
+    def __init__(self, cfg: LoRAConfig | None = None):
+        super().__init__()
+        self.cfg = cfg = cfg or LoRAConfig()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.embed.requires_grad_(not cfg.freeze_embedding)
+        self.blocks = nn.ModuleList(LoRABlock(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
 def gpt_config_for_params(target_params: int, n_layer: int = 4, block_size: int = 64, vocab_size: int = 1021) -> GPTConfig:
     """A GPTConfig with roughly ``target_params`` parameters (for benchmarks). n_embd is a multiple of n_head."""
     n_head = 4
