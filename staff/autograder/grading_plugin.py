@@ -30,10 +30,12 @@ What it does:
   ``python staff/autograder/measure_times.py``): each test may take ``max(TEST_TIMEOUT_FLOOR_S,
   TEST_TIMEOUT_FACTOR * its reference time)`` (the harness's timeouts shrink to what is left of it, through
   ``FSDP_RANK_DEADLINE``); each task is guaranteed a share of the budget in proportion to what its tests need at
-  load 10 (``LOAD_FACTOR``), and no test may spend another unfinished task's unspent share; and once a task
-  function hung (a harness timeout, or a collective timing out, with that function in a rank's stack), every
-  later test that calls it (``calls`` in the file: the reference's calls, traced) is reported at once as
-  "not run: <function> hung in <test>" instead of waiting for it again.
+  load 10 (``LOAD_FACTOR``), and no test may spend another unfinished task's unspent share; and once a test hung
+  (the harness's timeout, which shows every hung rank's stack), each hung rank's innermost task function is blamed,
+  and every later test that calls all the blamed functions (``calls`` in the file: the reference's calls, traced)
+  is reported at once as "not run: <function> hung in <test>" instead of waiting for it again. (A collective that
+  a peer never joins fails by itself at the collective timeout, 10 s, with one rank's traceback, which cannot tell
+  the culprit from its victims: it is not blamed, and costs its 10 s each time.)
 - **Ordering** (for the mutation self-test): ``--grade-first SUBSTRING`` (repeatable) runs the tests whose node id
   contains it first, then ``--grade-first-task N`` runs task N's tests next; otherwise tests run task by task,
   public before hidden.
@@ -275,8 +277,8 @@ class Grader:
             if call.excinfo is not None:
                 hung = self.limits.record_failure(item.nodeid, rec.name, call.excinfo.value)
                 if hung:
-                    rec.notes.append(f"note: {', '.join(hung)} hung here: later tests that call "
-                                     f"{'it' if len(hung) == 1 else 'them'} are reported as not run at once")
+                    rec.notes.append(f"note: {' and '.join(hung)} hung here: later tests that call "
+                                     f"{'it' if len(hung) == 1 else 'them all'} are reported as not run at once")
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_teardown(self, item, nextitem) -> None:
@@ -476,11 +478,10 @@ def hung_functions(message: str, known: set[str]) -> list[str]:
 
 
 def _is_hang(exc) -> bool:
-    """A harness timeout, or a rank that raised because a collective timed out (a peer never joined it)."""
-    kind = getattr(exc, "kind", None)
-    if kind == "timeout":
-        return True
-    return kind == "raised" and re.search(r"[Tt]imed out|[Tt]imeout", str(exc).split("\n", 1)[0]) is not None
+    """The harness's timeout (tests.harness.RankFailure, kind "timeout"): its message holds every hung rank's
+    stack. A rank that raised after a collective timed out shows only its own traceback, often a victim's (it
+    waited in an ordinary all-gather while the culprit sat in a collective no one else called): not a hang here."""
+    return getattr(exc, "kind", None) == "timeout"
 
 
 def _function_label(name: str) -> str:
@@ -512,7 +513,7 @@ class TimeLimits:
         self.share: dict[int, float] = {}
         self.spent: dict[int, float] = {}
         self.left: dict[int, int] = {}       # tests not yet run, per task
-        self.hung: dict[str, str] = {}       # function -> the test it hung in
+        self.hung: dict[frozenset, str] = {}  # functions blamed together (one per hung rank) -> the test
         self.started_at: float | None = None
         self.durations: dict[str, float] = {}
         self.unknown: list[str] = []
@@ -546,11 +547,13 @@ class TimeLimits:
         if not self.enabled:
             return None
         calls = set(self.times.get(nodeid, {}).get("calls", []))
-        for function, where in self.hung.items():
-            if function in calls:
+        for functions, where in self.hung.items():
+            if functions <= calls:
                 self._skip(task)
-                return (f"not run: {_function_label(function)} hung in {where}, and this test calls it too "
-                        f"(so it is not run: it would wait for the same hang; fix the hang to have it graded)")
+                names = " and ".join(_function_label(f) for f in sorted(functions))
+                return (f"not run: {names} hung in {where}, and this test calls "
+                        f"{'it' if len(functions) == 1 else 'them'} too (so it is not run: it would wait for the "
+                        f"same hang; fix the hang to have it graded)")
         if self.budget is None:
             return None
         allowed = self.budget - elapsed - self._reserved_for_others(task)
@@ -597,11 +600,11 @@ class TimeLimits:
         """Remember the functions a hang is blamed on; returns their labels."""
         if not self.enabled or not _is_hang(exc):
             return []
-        blamed = [f for f in hung_functions(str(exc), self.known) if f not in self.hung]
-        short = name.split(": ", 1)[-1]
-        for function in blamed:
-            self.hung[function] = short
-        return [_function_label(f) for f in blamed]
+        blamed = frozenset(hung_functions(str(exc), self.known))
+        if not blamed or blamed in self.hung:
+            return []
+        self.hung[blamed] = name.split(": ", 1)[-1]
+        return [_function_label(f) for f in sorted(blamed)]
 
     def summary(self) -> list[str]:
         rows = []
@@ -609,7 +612,8 @@ class TimeLimits:
             rows.append("task shares of the budget (spent/share s): " + ", ".join(
                 f"{t}: {self.spent[t]:.0f}/{self.share[t]:.0f}" for t in sorted(self.share)))
         if self.hung:
-            rows.append("hung: " + "; ".join(f"{_function_label(f)} in {w}" for f, w in self.hung.items()))
+            rows.append("hung: " + "; ".join(f"{' and '.join(_function_label(f) for f in sorted(fs))} in {w}"
+                                             for fs, w in self.hung.items()))
         if self.enabled and not self.times:
             rows.append(f"no per-test time limits: {TIMES_FILE.name} not found (python staff/autograder/"
                         f"measure_times.py writes it)")

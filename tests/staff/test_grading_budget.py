@@ -62,8 +62,9 @@ def test_a_hang_is_blamed_on_the_innermost_known_task_function():
     assert hung_functions(TRACEBACK, KNOWN) == ["task1_meta_init.py:materialize_meta_module"]
     assert hung_functions("timed out after 6 s\n  File \"/g/tests/x.py\", line 1 in _body\n", KNOWN) == []
     assert grading_plugin._is_hang(type("F", (), {"kind": "timeout", "__str__": lambda s: "x"})())
+    # A collective timeout shows one rank's traceback, maybe a victim's: not blamed (it ends by itself in 10 s).
     timed_out = type("F", (), {"kind": "raised", "__str__": lambda s: TRACEBACK})()
-    assert grading_plugin._is_hang(timed_out)
+    assert not grading_plugin._is_hang(timed_out)
     wrong = type("F", (), {"kind": "raised", "__str__": lambda s: "rank 0 of 2 raised AssertionError: 1 != 2"})()
     assert not grading_plugin._is_hang(wrong)
 
@@ -127,15 +128,19 @@ class FakeRankFailure(AssertionError):
         self.kind = kind
 
 
-def _hang_until_the_deadline(function):
+def _hang_until_the_deadline(functions):
+    """FAKE_HANG_IN: "file:function" for each hung rank (comma-separated), as the harness shows their stacks."""
     if os.environ.get("FAKE_WAIT") == "1":  # as the harness would: wait out the deadline, then fail
         time.sleep(max(0.0, float(os.environ["FSDP_RANK_DEADLINE"]) - time.time()))
-    raise FakeRankFailure(
-        "timed out after 3 s: rank 0 of 2 did not finish\\n\\n---- rank 0 stacks (most recent call first) ----\\n"
-        "Current thread 0x01 (most recent call first):\\n"
-        f"  File \\"/g/fsdp_assignment/{function.split(':')[0]}\\", line 9 in helper\\n"
-        f"  File \\"/g/fsdp_assignment/{function.split(':')[0]}\\", line 20 in {function.split(':')[1]}\\n",
-        "timeout")
+    message = "timed out after 3 s: ranks of 2 did not finish"
+    for rank, function in enumerate(functions.split(",")):
+        file, name = function.split(":")
+        message += (f"\\n\\n---- rank {rank} stacks (most recent call first) ----\\n"
+                    f"Current thread 0x01 (most recent call first):\\n"
+                    f"  File \\"/g/fsdp_assignment/{file}\\", line 9 in helper\\n"
+                    f"  File \\"/g/fsdp_assignment/{file}\\", line 20 in {name}\\n"
+                    f"  File \\"/g/tests/public/test_x.py\\", line 20 in _body\\n")
+    raise FakeRankFailure(message, "timeout")
 
 
 @pytest.mark.task1
@@ -193,20 +198,22 @@ def _grade(tree: Path, *extra: str, **env) -> dict:
 
 
 def test_later_tests_that_call_a_hung_function_are_not_run(tmp_path):
-    fn = "task1_meta_init.py:materialize_meta_module"
-    tree = _fake_tree(tmp_path, {"test_1a_hangs": {"seconds": 0.1, "calls": [fn]},
-                                 "test_1b_calls_the_hung_function": {"seconds": 0.1, "calls": [fn]},
-                                 "test_1c_does_not_call_it": {"seconds": 0.1, "calls": ["task2_flat_param.py:x"]},
+    """Rank 0 hangs in materialize_meta_module (the culprit), rank 1 waits in unshard (a victim: most tests call
+    it): only tests that call both are skipped."""
+    fn, victim = "task1_meta_init.py:materialize_meta_module", "task3_forward.py:unshard"
+    tree = _fake_tree(tmp_path, {"test_1a_hangs": {"seconds": 0.1, "calls": [fn, victim]},
+                                 "test_1b_calls_the_hung_function": {"seconds": 0.1, "calls": [fn, victim]},
+                                 "test_1c_does_not_call_it": {"seconds": 0.1, "calls": [victim]},
                                  "test_2a_passes": {"seconds": 0.1, "calls": []}})
-    tests = _grade(tree, "--grade-budget", "15", FAKE_HANG_IN=fn)  # the hang fails at once here
+    tests = _grade(tree, "--grade-budget", "15", FAKE_HANG_IN=f"{fn},{victim}")  # the hang fails at once here
     assert tests["test_1a_hangs"]["status"] == "failed"
-    assert "materialize_meta_module() (Task 1, fsdp_assignment/task1_meta_init.py) hung here" in \
-        tests["test_1a_hangs"]["output"]
+    assert ("materialize_meta_module() (Task 1, fsdp_assignment/task1_meta_init.py) and unshard() (Task 3, "
+            "fsdp_assignment/task3_forward.py) hung here") in tests["test_1a_hangs"]["output"]
     skipped = tests["test_1b_calls_the_hung_function"]
     assert skipped["status"] == "failed" and skipped["score"] == 0
     assert skipped["output"].split("\n\n")[1].startswith(
-        "not run: materialize_meta_module() (Task 1, fsdp_assignment/task1_meta_init.py) hung in "
-        "test_fake.py::test_1a_hangs"), skipped["output"]
+        "not run: materialize_meta_module() (Task 1, fsdp_assignment/task1_meta_init.py) and unshard() (Task 3, "
+        "fsdp_assignment/task3_forward.py) hung in test_fake.py::test_1a_hangs"), skipped["output"]
     assert tests["test_1c_does_not_call_it"]["status"] == "passed"
     assert tests["test_2a_passes"]["status"] == "passed", tests["test_2a_passes"]["output"]
 
