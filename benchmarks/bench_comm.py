@@ -15,7 +15,7 @@ is the slowest rank's mean. Bandwidths follow nccl-tests:
                                  number to compare with the link's bandwidth, whatever W is)
 
 Part 2, bytes per step. One AdamW step of the benchmark GPT under each strategy, with every collective counted
-by benchmarks.common.CommMeter (bus bytes, as above: payload * (W-1)/W for all-gather and reduce-scatter,
+by benchmarks.comm_meter.CommMeter (bus bytes, as above: payload * (W-1)/W for all-gather and reduce-scatter,
 2 * payload * (W-1)/W for all-reduce). Ψ = parameters x 4 bytes (fp32). The formulas (ZeRO paper, ZeRO-3 =
 FSDP full sharding):
 
@@ -49,9 +49,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks import common as C  # noqa: E402
+from benchmarks.cli import QUICK_MODEL  # noqa: E402
+from benchmarks import cli, comm_meter, launch, measure, report, trainers  # noqa: E402
 
 NAME = "comm"
+# --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
+QUICK = ["--world-sizes", "2", "--max-size", "16KiB", "--budget", "0.01", "--strategies", "FSDP", "DDP (torch)"] + QUICK_MODEL
 HEADERS_COLL = ["collective", "W", "interconnect", "size", "time us", "algbw GB/s", "busbw GB/s"]
 HEADERS_STEP = ["strategy", "W", "all-gather MiB", "reduce-scatter MiB", "all-reduce MiB", "total MiB", "formula",
                 "formula MiB", "counted / formula", "note"]
@@ -76,7 +79,7 @@ def human(n: int) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # In each rank
 # ---------------------------------------------------------------------------------------------------------
-def time_collective(kind: str, size: int, ctx: C.RankContext, budget_s: float) -> float:
+def time_collective(kind: str, size: int, ctx: launch.RankContext, budget_s: float) -> float:
     """Mean seconds per collective, the slowest rank's. ``size`` bytes of fp32, a multiple of 4*W."""
     w = ctx.world_size
     numel = size // 4
@@ -90,10 +93,10 @@ def time_collective(kind: str, size: int, ctx: C.RankContext, budget_s: float) -
             dist.reduce_scatter_single(shard, full)
 
     once()  # warm-up: first-call set-up (buffers, connections) is not what we measure
-    C.sync(ctx.device)
+    measure.sync(ctx.device)
     t0 = time.perf_counter()
     once()
-    C.sync(ctx.device)
+    measure.sync(ctx.device)
     # every rank must run the same number of iterations: agree on the slowest rank's estimate
     est = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(est, op=dist.ReduceOp.MAX)
@@ -102,30 +105,30 @@ def time_collective(kind: str, size: int, ctx: C.RankContext, budget_s: float) -
     t0 = time.perf_counter()
     for _ in range(iters):
         once()
-    C.sync(ctx.device)
+    measure.sync(ctx.device)
     mean = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(mean, op=dist.ReduceOp.MAX)
     return mean.item()
 
 
-def worker(ctx: C.RankContext, payload: dict) -> dict:
-    link = C.SimLink(payload["sim_bandwidth"], payload["sim_latency_us"]) if payload["sim_bandwidth"] else None
+def worker(ctx: launch.RankContext, payload: dict) -> dict:
+    link = comm_meter.SimLink(payload["sim_bandwidth"], payload["sim_latency_us"]) if payload["sim_bandwidth"] else None
     out = {"collectives": [], "steps": {}}
-    with C.CommMeter(link=link):  # counts nothing we read here; it applies the simulated link when there is one
+    with comm_meter.CommMeter(link=link):  # counts nothing we read here; it applies the simulated link when there is one
         for kind in ("all_gather", "reduce_scatter"):
             for size in payload["sizes"]:
                 size -= size % (4 * ctx.world_size)
                 t = time_collective(kind, size, ctx, payload["budget_s"])
                 out["collectives"].append({"kind": kind, "size": size, "seconds": t})
             ctx.log(f"{kind}: {len(payload['sizes'])} sizes done")
-    cfg = C.model_config(payload)
+    cfg = trainers.model_config(payload)
     for name in payload["strategies"]:
-        with C.CommMeter() as meter:
+        with comm_meter.CommMeter() as meter:
             try:
-                trainer = C.build_trainer(name, cfg, payload["batch"], ctx.device, meter)
+                trainer = trainers.build_trainer(name, cfg, payload["batch"], ctx.device, meter)
                 trainer.step(ctx.rank)  # warm-up (lazy initialization may communicate)
             except NotImplementedError as exc:
-                out["steps"][name] = C.skipped(name, exc, ctx)
+                out["steps"][name] = trainers.skipped(name, exc, ctx)
                 continue
             meter.reset()
             trainer.step(ctx.rank)
@@ -140,16 +143,16 @@ def worker(ctx: C.RankContext, payload: dict) -> dict:
 # Driver
 # ---------------------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
-    p = C.base_parser(__doc__)
-    C.world_sizes_arg(p, [2, 4])
-    C.add_model_args(p, params=4e6, layers=8, block_size=32, batch=1)
-    C.add_sim_args(p)
+    p = cli.base_parser(__doc__)
+    cli.world_sizes_arg(p, [2, 4])
+    cli.add_model_args(p, params=4e6, layers=8, block_size=32, batch=1)
+    cli.add_sim_args(p)
     p.add_argument("--min-size", default="1KiB")
     p.add_argument("--max-size", default="64MiB")
     p.add_argument("--budget", type=float, default=0.15, help="seconds of timed collectives per size (at least 3)")
     p.add_argument("--strategies", nargs="*", default=STEP_STRATEGIES, choices=list(FORMULA),
                    help="strategies whose bytes per step are counted (none: skip part 2)")
-    args = C.finish_args(p.parse_args(argv))
+    args = cli.parse(p, argv, NAME, QUICK)
     sizes, s = [], parse_size(args.min_size)
     while s <= parse_size(args.max_size):
         sizes.append(s)
@@ -158,21 +161,21 @@ def main(argv=None) -> dict:
     interconnect = (f"simulated {sim_bw:g} GB/s, {args.sim_latency_us:g} us" if sim_bw
                     else ("nccl" if args.device == "cuda" else "gloo (real)"))
     if sim_bw:
-        C.log(C.SimLink(sim_bw, args.sim_latency_us).describe(), quiet=False)
-    cfg = C.model_config(args)
-    psi = C.param_count(cfg)
-    units = C.unit_param_counts(cfg)
-    payload = {**C.model_payload(args), "sizes": sizes, "budget_s": args.budget, "strategies": args.strategies,
+        report.log(comm_meter.SimLink(sim_bw, args.sim_latency_us).describe(), quiet=False)
+    cfg = trainers.model_config(args)
+    psi = trainers.param_count(cfg)
+    units = trainers.unit_param_counts(cfg)
+    payload = {**trainers.model_payload(args), "sizes": sizes, "budget_s": args.budget, "strategies": args.strategies,
                "sim_bandwidth": sim_bw, "sim_latency_us": args.sim_latency_us}
-    C.log(f"comm: sizes {human(sizes[0])}..{human(sizes[-1])}, W in {args.world_sizes}; bytes per step of GPT "
+    report.log(f"comm: sizes {human(sizes[0])}..{human(sizes[-1])}, W in {args.world_sizes}; bytes per step of GPT "
           f"{psi / 1e6:.2f}M params", quiet=args.quiet)
 
     results: dict[int, dict] = {}
     for w in args.world_sizes:
-        ranks = C.launch(args, "benchmarks.bench_comm:worker", w, payload)
+        ranks = launch.launch(args, "benchmarks.bench_comm:worker", w, payload)
         if ranks is not None:
             results[w] = ranks[0]  # times are already the slowest rank's; byte counts are the same on every rank
-    if not C.is_writer():
+    if not report.is_writer():
         return {}
 
     coll_rows, coll_records, step_rows, step_records, skipped = [], [], [], [], []
@@ -186,26 +189,26 @@ def main(argv=None) -> dict:
             if "skipped" in summary:
                 skipped.append(f"- {name} (W={w}): not measured ({summary['skipped']})")
                 continue
-            mib = {k: summary.get(k, {}).get("bus_bytes", 0.0) / C.MiB for k in ("all_gather", "reduce_scatter", "all_reduce")}
+            mib = {k: summary.get(k, {}).get("bus_bytes", 0.0) / report.MiB for k in ("all_gather", "reduce_scatter", "all_reduce")}
             total = sum(mib.values())
             k = FORMULA[name]
-            formula = k * psi * 4 * (w - 1) / w / C.MiB
+            formula = k * psi * 4 * (w - 1) / w / report.MiB
             note = ""
-            root_kept = (k * psi - units["root"]) * 4 * (w - 1) / w / C.MiB
+            root_kept = (k * psi - units["root"]) * 4 * (w - 1) / w / report.MiB
             if k == 3 and abs(total / formula - 1) > 0.01 and abs(total / root_kept - 1) <= 0.01:
                 note = f"root kept unsharded after forward: counted / (3Ψ-Ψ_root)(W-1)/W = {total / root_kept:.4f}"
             step_rows.append([name, w, mib["all_gather"], mib["reduce_scatter"], mib["all_reduce"], total,
                               f"{k}Ψ(W-1)/W", formula, f"{total / formula:.4f}", note])
-            step_records.append({"strategy": name, "world_size": w, "counted": summary, "total_bus_bytes": total * C.MiB,
-                                 "formula": f"{k}*psi*(W-1)/W", "formula_bytes": formula * C.MiB,
+            step_records.append({"strategy": name, "world_size": w, "counted": summary, "total_bus_bytes": total * report.MiB,
+                                 "formula": f"{k}*psi*(W-1)/W", "formula_bytes": formula * report.MiB,
                                  "ratio": total / formula, "psi_params": psi, "note": note})
 
     md = (f"Collectives: {interconnect}; time = slowest rank's mean; busbw = size/time x (W-1)/W.\n\n"
-          + C.markdown_table(HEADERS_COLL, coll_rows)
+          + report.markdown_table(HEADERS_COLL, coll_rows)
           + f"\nBytes per training step (bus bytes per rank, counted), GPT Ψ = {psi:,} params x 4 B = "
-          f"{psi * 4 / C.MiB:.2f} MiB:\n\n" + C.markdown_table(HEADERS_STEP, step_rows)
+          f"{psi * 4 / report.MiB:.2f} MiB:\n\n" + report.markdown_table(HEADERS_STEP, step_rows)
           + ("\n" + "\n".join(skipped) + "\n" if skipped else ""))
-    raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": C.environment(),
+    raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": report.environment(),
            "interconnect": interconnect, "collectives": coll_records, "bytes_per_step": step_records, "skipped": skipped}
 
     def plot():
@@ -231,13 +234,13 @@ def main(argv=None) -> dict:
         x = range(len(step_records))
         bottom = [0.0] * len(step_records)
         for key, color in (("all_gather", "#4C72B0"), ("reduce_scatter", "#DD8452"), ("all_reduce", "#55A868")):
-            vals = [r["counted"].get(key, {}).get("bus_bytes", 0.0) / C.MiB for r in step_records]
+            vals = [r["counted"].get(key, {}).get("bus_bytes", 0.0) / report.MiB for r in step_records]
             bx.bar(x, vals, bottom=bottom, color=color, label=key.replace("_", "-"))
             bottom = [b + v for b, v in zip(bottom, vals)]
-        bx.scatter(x, [r["formula_bytes"] / C.MiB for r in step_records], marker="_", s=500, color="black",
+        bx.scatter(x, [r["formula_bytes"] / report.MiB for r in step_records], marker="_", s=500, color="black",
                    zorder=3, label="formula kΨ(W-1)/W")
         top = max([r["formula_bytes"] for r in step_records] + [r["total_bus_bytes"] for r in step_records] + [1.0])
-        bx.set_ylim(0, 1.12 * top / C.MiB)
+        bx.set_ylim(0, 1.12 * top / report.MiB)
         bx.set_xticks(list(x), labels, rotation=40, ha="right", fontsize=7)
         bx.set_ylabel("bus MiB per rank per step")
         bx.set_title("Bytes per training step: counted vs formula", fontsize=10)
@@ -246,7 +249,7 @@ def main(argv=None) -> dict:
         fig.tight_layout()
         return fig
 
-    C.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet)
+    report.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet, quick=args.quick)
     return raw
 
 

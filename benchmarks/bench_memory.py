@@ -54,10 +54,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks import common as C  # noqa: E402
+from benchmarks.cli import QUICK_MODEL  # noqa: E402
+from benchmarks import cli, comm_meter, launch, measure, report, trainers  # noqa: E402
 from fsdp_assignment.support.memory import LiveStorageTracker  # noqa: E402
 
 NAME = "memory"
+# --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
+QUICK = ["--world-sizes", "2", "--repeat", "1", "--strategies", "one process", "FSDP", "FSDP2 (torch)"] + QUICK_MODEL
 HEADERS = ["strategy", "W", "peak MiB", "model MiB", "model error", "vs one process", "params MiB", "grads MiB",
            "optim MiB", "unsharded MiB", "activations MiB"]
 STRATEGIES = ["one process", "DDP (torch)", "FSDP", "FSDP no-reshard", "FSDP + prefetch", "FSDP2 (torch)"]
@@ -67,21 +70,21 @@ CATEGORIES = ["params", "grads", "optim", "unsharded", "activations"]
 # ---------------------------------------------------------------------------------------------------------
 # In each rank
 # ---------------------------------------------------------------------------------------------------------
-def worker(ctx: C.RankContext, payload: dict) -> dict:
-    cfg = C.model_config(payload)
+def worker(ctx: launch.RankContext, payload: dict) -> dict:
+    cfg = trainers.model_config(payload)
     out = {}
     for name in payload["strategies"]:
         ctx.log(f"{name}: measuring one step")
         gc.collect()
         cuda = ctx.device.type == "cuda"
         with LiveStorageTracker(device=ctx.device.type, resize_label="unsharded") as mem, \
-                C.CommMeter(on_buffer=lambda kind, t: mem.relabel(t, "unsharded")):
+                comm_meter.CommMeter(on_buffer=lambda kind, t: mem.relabel(t, "unsharded")):
             try:
                 with mem.label("params"):
-                    trainer = C.build_trainer(name, cfg, payload["batch"], ctx.device)
+                    trainer = trainers.build_trainer(name, cfg, payload["batch"], ctx.device)
                 trainer.step(ctx.rank, mem)  # warm-up: AdamW's state exists from here on
             except NotImplementedError as exc:
-                out[name] = C.skipped(name, exc, ctx)
+                out[name] = trainers.skipped(name, exc, ctx)
                 continue
             mem.relabel(trainer.model, "params")  # the parameters (shards under FSDP) as the step starts
             mem.relabel(trainer.optimizer, "optim")
@@ -90,14 +93,14 @@ def worker(ctx: C.RankContext, payload: dict) -> dict:
                 # The same step can peak a little higher or lower from run to run: gloo's threads release the
                 # tensors of finished collectives on their own schedule. So: several steps, the median one.
                 gc.collect()
-                C.sync(ctx.device)
+                measure.sync(ctx.device)
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(ctx.device)
                 mem.reset_peak()
                 start = mem.current_bytes
                 after = {}
                 trainer.step(ctx.rank, mem, probe=lambda phase: after.__setitem__(phase, mem.current_bytes))
-                C.sync(ctx.device)
+                measure.sync(ctx.device)
                 steps.append({
                     "peak_bytes": mem.peak_bytes,
                     "start_bytes": start,
@@ -122,10 +125,10 @@ def worker(ctx: C.RankContext, payload: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 def analytic(name: str, w: int, cfg, activations: float) -> dict:
     """Bytes per rank predicted for ``name`` at world size ``w`` (see the module docstring)."""
-    units = C.unit_param_counts(cfg)
+    units = trainers.unit_param_counts(cfg)
     n_root, n_block, n_blocks = units["root"], units["block"], units["n_blocks"]
     psi = n_root + n_block * n_blocks
-    family, opt = C.STRATEGIES[name]
+    family, opt = trainers.STRATEGIES[name]
     sharded = family in ("fsdp", "fsdp2")
     s = (math.ceil(n_root / w) + n_blocks * math.ceil(n_block / w)) if sharded else psi
     tied = cfg.vocab_size * cfg.n_embd  # the tied embedding/head weight
@@ -148,15 +151,15 @@ def analytic(name: str, w: int, cfg, activations: float) -> dict:
 # Driver
 # ---------------------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
-    p = C.base_parser(__doc__)
-    C.world_sizes_arg(p, [1, 2, 4])
-    C.add_model_args(p, params=4e6, layers=8, block_size=32, batch=1)
-    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=list(C.STRATEGIES))
+    p = cli.base_parser(__doc__)
+    cli.world_sizes_arg(p, [1, 2, 4])
+    cli.add_model_args(p, params=4e6, layers=8, block_size=32, batch=1)
+    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=list(trainers.STRATEGIES))
     p.add_argument("--repeat", type=int, default=3, help="measured steps per strategy; the median step is reported")
-    args = C.finish_args(p.parse_args(argv))
-    cfg = C.model_config(args)
-    payload = {**C.model_payload(args), "strategies": args.strategies, "repeat": args.repeat}
-    C.log(f"memory: GPT {C.param_count(cfg) / 1e6:.2f}M params ({cfg}), batch {args.batch}x{args.block_size} "
+    args = cli.parse(p, argv, NAME, QUICK)
+    cfg = trainers.model_config(args)
+    payload = {**trainers.model_payload(args), "strategies": args.strategies, "repeat": args.repeat}
+    report.log(f"memory: GPT {trainers.param_count(cfg) / 1e6:.2f}M params ({cfg}), batch {args.batch}x{args.block_size} "
           f"per rank, AdamW, W in {args.world_sizes}", quiet=args.quiet)
 
     # "one process" is one process: it runs at W=1 only; everything else at every W asked for
@@ -168,13 +171,13 @@ def main(argv=None) -> dict:
     measured: dict[tuple[int, str], list[dict]] = {}  # (W, strategy) -> every rank's result
     skipped: list[str] = []
     for w, names in sorted(runs.items()):
-        ranks = C.launch(args, "benchmarks.bench_memory:worker", w, {**payload, "strategies": names})
+        ranks = launch.launch(args, "benchmarks.bench_memory:worker", w, {**payload, "strategies": names})
         for name in names if ranks is not None else []:
             if "skipped" in ranks[0][name]:
                 skipped.append(f"- {name} (W={w}): not measured ({ranks[0][name]['skipped']})")
             else:
                 measured[(w, name)] = [r[name] for r in ranks]
-    if not C.is_writer():
+    if not report.is_writer():
         return {}
 
     one = measured.get((1, "one process"), [None])[0]
@@ -190,21 +193,21 @@ def main(argv=None) -> dict:
         bd = worst["breakdown_at_peak"]
         cats = {c: bd.get(c, 0) for c in CATEGORIES}
         cats["activations"] += sum(v for k, v in bd.items() if k not in CATEGORIES)  # "other": a few bytes
-        rows.append([name, w, worst["peak_bytes"] / C.MiB, model["peak_bytes"] / C.MiB, f"{err:+.1%}",
-                     None if vs_one is None else f"{vs_one:.3f}x"] + [cats[c] / C.MiB for c in CATEGORIES])
+        rows.append([name, w, worst["peak_bytes"] / report.MiB, model["peak_bytes"] / report.MiB, f"{err:+.1%}",
+                     None if vs_one is None else f"{vs_one:.3f}x"] + [cats[c] / report.MiB for c in CATEGORIES])
         records.append({"strategy": name, "world_size": w, "peak_bytes": worst["peak_bytes"],
                         "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank], "model": model,
                         "model_error": err, "vs_one_process": vs_one, "breakdown_at_peak": cats,
                         "forward_growth_bytes": worst["forward_growth_bytes"], "tracker": worst["tracker"],
                         "peak_bytes_all_steps_per_rank": [r["peak_bytes_all_steps"] for r in per_rank]})
 
-    md = (f"GPT {C.param_count(cfg) / 1e6:.2f}M params (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
+    md = (f"GPT {trainers.param_count(cfg) / 1e6:.2f}M params (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
           f"vocab={cfg.vocab_size}), batch {args.batch}x{args.block_size} tokens per rank, fp32, AdamW; "
           f"per-rank peak of one step (worst rank), {records[0]['tracker'] if records else ''}.\n"
           f"Model: max(12·S + A + 4·(U_p + U_g), 16·S + 4·U_end) (see bench_memory.py), S = this rank's parameter count, "
-          f"A = {activations / C.MiB:.2f} MiB (one-process forward).\n\n")
-    md += C.markdown_table(HEADERS, rows) + ("\n" + "\n".join(skipped) + "\n" if skipped else "")
-    raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": C.environment(),
+          f"A = {activations / report.MiB:.2f} MiB (one-process forward).\n\n")
+    md += report.markdown_table(HEADERS, rows) + ("\n" + "\n".join(skipped) + "\n" if skipped else "")
+    raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": report.environment(),
            "activations_bytes_one_process": activations, "results": records, "skipped": skipped}
 
     def plot():
@@ -219,22 +222,22 @@ def main(argv=None) -> dict:
             x = range(len(recs))
             bottom = [0.0] * len(recs)
             for c in CATEGORIES:
-                vals = [r["breakdown_at_peak"][c] / C.MiB for r in recs]
+                vals = [r["breakdown_at_peak"][c] / report.MiB for r in recs]
                 ax.bar(x, vals, bottom=bottom, color=colors[c], label=c if w == ws[0] else None)
                 bottom = [b + v for b, v in zip(bottom, vals)]
-            ax.scatter(x, [r["model"]["peak_bytes"] / C.MiB for r in recs], marker="_", s=600, color="black",
+            ax.scatter(x, [r["model"]["peak_bytes"] / report.MiB for r in recs], marker="_", s=600, color="black",
                        zorder=3, label="analytic model" if w == ws[0] else None)
             ax.set_xticks(list(x), [r["strategy"] for r in recs], rotation=35, ha="right", fontsize=8)
             ax.set_title(f"W = {w}")
             ax.grid(axis="y", alpha=0.3)
         axes[0][0].set_ylabel("per-rank peak memory (MiB)")
         fig.legend(loc="upper right", fontsize=8)
-        fig.suptitle(f"Peak memory of one AdamW step, GPT {C.param_count(cfg) / 1e6:.1f}M params "
+        fig.suptitle(f"Peak memory of one AdamW step, GPT {trainers.param_count(cfg) / 1e6:.1f}M params "
                      f"(bars: measured breakdown at the peak)", fontsize=10)
         fig.tight_layout(rect=(0, 0, 0.88, 0.95))
         return fig
 
-    C.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet)
+    report.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet, quick=args.quick)
     return raw
 
 

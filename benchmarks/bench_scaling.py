@@ -35,9 +35,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common as C  # noqa: E402
+from benchmarks import cli, launch, measure, report, trainers  # noqa: E402
 
 NAME = "scaling"
+# --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
+QUICK = ["--world-sizes", "1", "2", "--params-per-rank", "1e5", "--layers", "2", "--block-size", "16", "--batch", "1", "--steps", "1", "--strategies", "FSDP", "DDP (torch)"]
 HEADERS = ["strategy", "W", "params M", "step ms", "weak-scaling efficiency", "peak MiB per rank",
            "peak vs smallest W"]
 STRATEGIES = ["FSDP", "FSDP + prefetch", "FSDP2 (torch)", "DDP (torch)"]
@@ -46,20 +48,20 @@ STRATEGIES = ["FSDP", "FSDP + prefetch", "FSDP2 (torch)", "DDP (torch)"]
 # ---------------------------------------------------------------------------------------------------------
 # In each rank
 # ---------------------------------------------------------------------------------------------------------
-def worker(ctx: C.RankContext, payload: dict) -> dict:
-    cfg = C.model_config(payload)
+def worker(ctx: launch.RankContext, payload: dict) -> dict:
+    cfg = trainers.model_config(payload)
     out = {}
     for name in payload["strategies"]:
         try:
-            trainer = C.build_trainer(name, cfg, payload["batch"], ctx.device)
+            trainer = trainers.build_trainer(name, cfg, payload["batch"], ctx.device)
             trainer.step(ctx.rank)  # warm-up
         except NotImplementedError as exc:
-            out[name] = C.skipped(name, exc, ctx)
+            out[name] = trainers.skipped(name, exc, ctx)
             continue
-        times = C.timed_steps(trainer, ctx.rank, payload["steps"])
-        peak = C.peak_of_one_step(trainer, ctx.rank)
-        out[name] = {"step_s": C.median(times), "times_s": times, "peak_bytes": peak}
-        ctx.log(f"{name}: {C.median(times) * 1e3:.0f} ms/step, peak {peak / C.MiB:.1f} MiB")
+        times = measure.timed_steps(trainer, ctx.rank, payload["steps"])
+        peak = measure.peak_of_one_step(trainer, ctx.rank)
+        out[name] = {"step_s": report.median(times), "times_s": times, "peak_bytes": peak}
+        ctx.log(f"{name}: {report.median(times) * 1e3:.0f} ms/step, peak {peak / report.MiB:.1f} MiB")
         del trainer
         gc.collect()
     return out
@@ -69,26 +71,26 @@ def worker(ctx: C.RankContext, payload: dict) -> dict:
 # Driver
 # ---------------------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
-    p = C.base_parser(__doc__)
-    C.world_sizes_arg(p, [1, 2, 4])
-    C.add_model_args(p, params=0, layers=8, block_size=32, batch=4)
+    p = cli.base_parser(__doc__)
+    cli.world_sizes_arg(p, [1, 2, 4])
+    cli.add_model_args(p, params=0, layers=8, block_size=32, batch=4)
     p.add_argument("--params-per-rank", type=float, default=1e6, help="the model has about W x this many params")
     p.add_argument("--steps", type=int, default=3, help="timed steps per strategy (median)")
-    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=[s for s in C.STRATEGIES if s != "one process"])
-    args = C.finish_args(p.parse_args(argv))
-    C.log(f"scaling: weak, {args.params_per_rank / 1e6:g}M params per rank, W in {args.world_sizes}, "
+    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=[s for s in trainers.STRATEGIES if s != "one process"])
+    args = cli.parse(p, argv, NAME, QUICK)
+    report.log(f"scaling: weak, {args.params_per_rank / 1e6:g}M params per rank, W in {args.world_sizes}, "
           f"batch {args.batch}x{args.block_size} per rank", quiet=args.quiet)
 
     results: dict[int, dict] = {}
     configs = {}
     for w in args.world_sizes:
-        payload = {**C.model_payload(args), "params": args.params_per_rank * w, "strategies": args.strategies,
+        payload = {**trainers.model_payload(args), "params": args.params_per_rank * w, "strategies": args.strategies,
                    "steps": args.steps}
-        configs[w] = C.model_config(payload)
-        ranks = C.launch(args, "benchmarks.bench_scaling:worker", w, payload)
+        configs[w] = trainers.model_config(payload)
+        ranks = launch.launch(args, "benchmarks.bench_scaling:worker", w, payload)
         if ranks is not None:
-            results[w] = {"ranks": ranks, "psi": C.param_count(configs[w])}
-    if not C.is_writer():
+            results[w] = {"ranks": ranks, "psi": trainers.param_count(configs[w])}
+    if not report.is_writer():
         return {}
 
     cores = os.cpu_count() or 1
@@ -106,7 +108,7 @@ def main(argv=None) -> dict:
             base_step = max(r[name]["step_s"] for r in base)
             base_peak = max(r[name]["peak_bytes"] for r in base)
             eff = base_step / step
-            rows.append([name, w, res["psi"] / 1e6, step * 1e3, f"{eff:.2f}", peak / C.MiB, f"{peak / base_peak:.2f}x"])
+            rows.append([name, w, res["psi"] / 1e6, step * 1e3, f"{eff:.2f}", peak / report.MiB, f"{peak / base_peak:.2f}x"])
             records.append({"strategy": name, "world_size": w, "psi_params": res["psi"], "gpt": configs[w].__dict__,
                             "step_s": step, "efficiency": eff, "peak_bytes": peak, "peak_vs_base": peak / base_peak,
                             "per_rank": [r[name] for r in res["ranks"]]})
@@ -117,8 +119,8 @@ def main(argv=None) -> dict:
     if args.device != "cuda" and results and max(results) > cores:
         md += (f"Note: this machine has {cores} CPU cores; at W > {cores} the ranks time-share cores, so step "
                f"times there measure the CPU, not scaling.\n")
-    md += "\n" + C.markdown_table(HEADERS, rows) + ("\n" + "\n".join(skipped) + "\n" if skipped else "")
-    raw = {"benchmark": NAME, "config": vars(args), "environment": C.environment(), "results": records,
+    md += "\n" + report.markdown_table(HEADERS, rows) + ("\n" + "\n".join(skipped) + "\n" if skipped else "")
+    raw = {"benchmark": NAME, "config": vars(args), "environment": report.environment(), "results": records,
            "skipped": skipped}
 
     def plot():
@@ -129,7 +131,7 @@ def main(argv=None) -> dict:
             recs = [r for r in records if r["strategy"] == name]
             ws = [r["world_size"] for r in recs]
             ax.plot(ws, [r["step_s"] * 1e3 for r in recs], "-o", label=name)
-            bx.plot(ws, [r["peak_bytes"] / C.MiB for r in recs], "-o", label=name)
+            bx.plot(ws, [r["peak_bytes"] / report.MiB for r in recs], "-o", label=name)
         for a, title, ylabel in ((ax, "Time per step", "ms"), (bx, "Per-rank peak memory", "MiB")):
             a.set_xlabel("W (model ≈ W x %gM params)" % (args.params_per_rank / 1e6))
             a.set_xticks(sorted(results))
@@ -144,7 +146,7 @@ def main(argv=None) -> dict:
         fig.tight_layout()
         return fig
 
-    C.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet)
+    report.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet, quick=args.quick)
     return raw
 
 

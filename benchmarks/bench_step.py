@@ -17,12 +17,12 @@ the same per-rank batch with no communication at all.
 Exposed communication: after the rounds, each strategy runs 2 more steps under torch.profiler; the fraction is
 the time the training thread was blocked on communication (inside a synchronous collective or waiting for an
 asynchronous one; for DDP, idle inside backward while its reducer waits) over the step time. See
-benchmarks.common.exposed_comm.
+benchmarks.measure.exposed_comm.
 
 Simulated interconnect (CPU): gloo over loopback on a busy CPU is neither a network nor a GPU interconnect, and
 its transfers take CPU time away from compute, so prefetching can hardly overlap anything. With
 ``--sim-bandwidth`` every collective also waits (sleeping, CPU left to compute) until a simulated link of that
-bandwidth and latency would have delivered it (benchmarks.common.SimLink). ``auto`` (the default) sets the
+bandwidth and latency would have delivered it (benchmarks.comm_meter.SimLink). ``auto`` (the default) sets the
 bandwidth so that communication about equals compute: bus bytes of one FSDP step / compute time of one step of the
 same per-rank batch without communication, both measured in the same launch. The table says which interconnect
 each row used, and the log says SIMULATED INTERCONNECT ON.
@@ -47,9 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks import common as C  # noqa: E402
+from benchmarks.cli import QUICK_MODEL  # noqa: E402
+from benchmarks import cli, comm_meter, launch, measure, report, trainers  # noqa: E402
 
 NAME = "step"
+# --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
+QUICK = ["--world-sizes", "2", "--rounds", "1", "--steps", "1", "--memory-rounds", "1", "--profile-steps", "1"] + QUICK_MODEL
 HEADERS = ["strategy", "W", "interconnect", "step ms", "vs one process", "exposed comm", "tokens/s"]
 HEADERS_RATIO = ["comparison", "W", "interconnect", "ratio (median)", "min", "max", "rounds"]
 STRATEGIES = ["FSDP", "FSDP + prefetch", "FSDP2 (torch)", "DDP (torch)"]
@@ -63,77 +66,77 @@ RATIOS = [("FSDP / FSDP2 step time", "FSDP", "FSDP2 (torch)", "time"),
 # ---------------------------------------------------------------------------------------------------------
 # In each rank
 # ---------------------------------------------------------------------------------------------------------
-def run_rounds(trainers: dict, ctx: C.RankContext, rounds: int, steps: int) -> dict[str, list[float]]:
+def run_rounds(built: dict, ctx: launch.RankContext, rounds: int, steps: int) -> dict[str, list[float]]:
     """Per strategy, one time per round (median of ``steps`` steps); the order rotates every round."""
-    names = list(trainers)
+    names = list(built)
     per_round: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
-            per_round[name].append(C.median(C.timed_steps(trainers[name], ctx.rank, steps)))
+            per_round[name].append(report.median(measure.timed_steps(built[name], ctx.rank, steps)))
         ctx.log(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {per_round[n][-1] * 1e3:.0f} ms" for n in names))
     return per_round
 
 
-def worker(ctx: C.RankContext, payload: dict) -> dict:
-    cfg = C.model_config(payload)
+def worker(ctx: launch.RankContext, payload: dict) -> dict:
+    cfg = trainers.model_config(payload)
     names = payload["strategies"]
     out: dict = {"phases": []}
-    with C.CommMeter() as meter:
+    with comm_meter.CommMeter() as meter:
         if names == ["one process"]:  # the W=1 baseline: time only
-            trainer = C.build_trainer("one process", cfg, payload["batch"], ctx.device, meter)
-            C.timed_steps(trainer, ctx.rank, 2)
+            trainer = trainers.build_trainer("one process", cfg, payload["batch"], ctx.device, meter)
+            measure.timed_steps(trainer, ctx.rank, 2)
             times = run_rounds({"one process": trainer}, ctx, payload["rounds"], payload["steps"])
             out["phases"].append({"interconnect": payload["real_name"], "times": times, "exposed": {}})
             return out
 
-        trainers, bus_per_step = {}, {}
+        built, bus_per_step = {}, {}
         out["skipped"] = {}
         for n in names:  # build, warm up (lazy init, first-call allocations), count one step's bytes
             try:
-                t = C.build_trainer(n, cfg, payload["batch"], ctx.device, meter)
+                t = trainers.build_trainer(n, cfg, payload["batch"], ctx.device, meter)
                 t.step(ctx.rank)
             except NotImplementedError as exc:
-                out["skipped"][n] = C.skipped(n, exc, ctx)["skipped"]
+                out["skipped"][n] = trainers.skipped(n, exc, ctx)["skipped"]
                 continue
             meter.reset()
             t.step(ctx.rank)
             bus_per_step[n] = sum(s["bus_bytes"] for s in meter.summary().values())
-            trainers[n] = t
+            built[n] = t
         out["bus_bytes_per_step"] = bus_per_step
 
         phases = [(payload["real_name"], None)]
         if payload["sim_bandwidth"] == "auto":
             # compute time of one step with no communication, measured here under the same CPU contention
-            local = C.build_trainer("one process", cfg, payload["batch"], ctx.device)
-            C.timed_steps(local, ctx.rank, 2)
-            compute = torch.tensor([C.median(C.timed_steps(local, ctx.rank, 5))], dtype=torch.float64)
+            local = trainers.build_trainer("one process", cfg, payload["batch"], ctx.device)
+            measure.timed_steps(local, ctx.rank, 2)
+            compute = torch.tensor([report.median(measure.timed_steps(local, ctx.rank, 5))], dtype=torch.float64)
             dist.all_reduce(compute)
             compute = compute.item() / ctx.world_size
             del local
             fsdp_bytes = bus_per_step.get("FSDP", max(bus_per_step.values(), default=0.0)) or 1.0
             bandwidth = fsdp_bytes / compute / 1e9
             out["calibration"] = {"compute_s": compute, "fsdp_bus_bytes": fsdp_bytes, "bandwidth_gbps": bandwidth}
-            phases.append(("sim", C.SimLink(bandwidth, payload["sim_latency_us"])))
+            phases.append(("sim", comm_meter.SimLink(bandwidth, payload["sim_latency_us"])))
         elif float(payload["sim_bandwidth"]) > 0:
-            phases.append(("sim", C.SimLink(float(payload["sim_bandwidth"]), payload["sim_latency_us"])))
+            phases.append(("sim", comm_meter.SimLink(float(payload["sim_bandwidth"]), payload["sim_latency_us"])))
 
         for label, link in phases:
             meter.link = link
             if link is not None:
                 label = f"simulated {link.bandwidth / 1e9:.3g} GB/s"
                 ctx.log(link.describe())
-            times = run_rounds(trainers, ctx, payload["rounds"], payload["steps"])
-            exposed = {n: C.exposed_comm(t, ctx.rank, payload["profile_steps"]) for n, t in trainers.items()}
+            times = run_rounds(built, ctx, payload["rounds"], payload["steps"])
+            exposed = {n: measure.exposed_comm(t, ctx.rank, payload["profile_steps"]) for n, t in built.items()}
             out["phases"].append({"interconnect": label, "times": times, "exposed": exposed})
         meter.link = None
 
         # FSDP vs FSDP2 peak memory, alternately
-        mem_names = [n for n in ("FSDP", "FSDP2 (torch)") if n in trainers]
+        mem_names = [n for n in ("FSDP", "FSDP2 (torch)") if n in built]
         out["peak_bytes"] = {n: [] for n in mem_names}
         for _ in range(payload["memory_rounds"]):
             for n in mem_names:
-                out["peak_bytes"][n].append(C.peak_of_one_step(trainers[n], ctx.rank))
+                out["peak_bytes"][n].append(measure.peak_of_one_step(built[n], ctx.rank))
     return out
 
 
@@ -141,39 +144,39 @@ def worker(ctx: C.RankContext, payload: dict) -> dict:
 # Driver
 # ---------------------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
-    p = C.base_parser(__doc__)
-    C.world_sizes_arg(p, [2])
-    C.add_model_args(p, params=4e6, layers=8, block_size=32, batch=8)
-    C.add_sim_args(p, default_bw="auto")
+    p = cli.base_parser(__doc__)
+    cli.world_sizes_arg(p, [2])
+    cli.add_model_args(p, params=4e6, layers=8, block_size=32, batch=8)
+    cli.add_sim_args(p, default_bw="auto")
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds")
     p.add_argument("--steps", type=int, default=2, help="timed steps per strategy per round")
     p.add_argument("--memory-rounds", type=int, default=2, help="alternated peak-memory measurements")
     p.add_argument("--profile-steps", type=int, default=2, help="profiled steps per strategy (exposed comm)")
-    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=[s for s in C.STRATEGIES if s != "one process"])
+    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=[s for s in trainers.STRATEGIES if s != "one process"])
     p.add_argument("--no-one-process", action="store_true", help="skip the W=1 baseline launch")
-    args = C.finish_args(p.parse_args(argv))
-    cfg = C.model_config(args)
+    args = cli.parse(p, argv, NAME, QUICK)
+    cfg = trainers.model_config(args)
     real_name = "nccl" if args.device == "cuda" else "gloo (real)"
-    payload = {**C.model_payload(args), "strategies": args.strategies, "rounds": args.rounds, "steps": args.steps,
+    payload = {**trainers.model_payload(args), "strategies": args.strategies, "rounds": args.rounds, "steps": args.steps,
                "memory_rounds": args.memory_rounds, "profile_steps": args.profile_steps, "sim_bandwidth": args.sim_bandwidth,
                "sim_latency_us": args.sim_latency_us, "real_name": real_name}
-    C.log(f"step: GPT {C.param_count(cfg) / 1e6:.2f}M params, batch {args.batch}x{args.block_size} per rank, "
+    report.log(f"step: GPT {trainers.param_count(cfg) / 1e6:.2f}M params, batch {args.batch}x{args.block_size} per rank, "
           f"W in {args.world_sizes}, {args.rounds} rounds x {args.steps} steps", quiet=args.quiet)
     if args.sim_bandwidth != "0":
-        C.log(f"SIMULATED INTERCONNECT ON for the second pass (--sim-bandwidth {args.sim_bandwidth}, "
+        report.log(f"SIMULATED INTERCONNECT ON for the second pass (--sim-bandwidth {args.sim_bandwidth}, "
               f"{args.sim_latency_us:g} us latency); the first pass is {real_name}", quiet=False)
 
     one = None
     if not args.no_one_process:
-        ranks = C.launch(args, "benchmarks.bench_step:worker", 1, {**payload, "strategies": ["one process"]})
+        ranks = launch.launch(args, "benchmarks.bench_step:worker", 1, {**payload, "strategies": ["one process"]})
         if ranks is not None:
-            one = C.median(ranks[0]["phases"][0]["times"]["one process"])
+            one = report.median(ranks[0]["phases"][0]["times"]["one process"])
     results = {}
     for w in args.world_sizes:
-        ranks = C.launch(args, "benchmarks.bench_step:worker", w, payload)
+        ranks = launch.launch(args, "benchmarks.bench_step:worker", w, payload)
         if ranks is not None:
             results[w] = ranks
-    if not C.is_writer():
+    if not report.is_writer():
         return {}
 
     tokens = args.batch * args.block_size
@@ -186,7 +189,7 @@ def main(argv=None) -> dict:
         for phase in r0["phases"]:
             ic = phase["interconnect"]
             for name, per_round in phase["times"].items():
-                step = C.median(per_round)
+                step = report.median(per_round)
                 # the exposed fraction: the worst rank's (the one that waited most)
                 fracs = [rk["phases"][r0["phases"].index(phase)]["exposed"][name]["exposed_comm_fraction"] for rk in ranks]
                 rows.append([name, w, ic, step * 1e3, f"{step / one:.2f}x" if one else None, f"{max(fracs):.0%}",
@@ -199,8 +202,8 @@ def main(argv=None) -> dict:
                 if what != "time" or num not in phase["times"] or den not in phase["times"]:
                     continue
                 rs = [a / b for a, b in zip(phase["times"][num], phase["times"][den])]
-                ratio_rows.append([label, w, ic, C.median(rs), min(rs), max(rs), len(rs)])
-                ratio_records.append({"comparison": label, "world_size": w, "interconnect": ic, "median": C.median(rs),
+                ratio_rows.append([label, w, ic, report.median(rs), min(rs), max(rs), len(rs)])
+                ratio_records.append({"comparison": label, "world_size": w, "interconnect": ic, "median": report.median(rs),
                                       "per_round": rs})
         for label, num, den, what in RATIOS:
             if what == "memory" and num in r0.get("peak_bytes", {}) and den in r0["peak_bytes"]:
@@ -208,23 +211,23 @@ def main(argv=None) -> dict:
                 nums = [max(rk["peak_bytes"][num][i] for rk in ranks) for i in range(len(r0["peak_bytes"][num]))]
                 dens = [max(rk["peak_bytes"][den][i] for rk in ranks) for i in range(len(r0["peak_bytes"][den]))]
                 rs = [a / b for a, b in zip(nums, dens)]
-                ratio_rows.append([label, w, "-", C.median(rs), min(rs), max(rs), len(rs)])
-                ratio_records.append({"comparison": label, "world_size": w, "median": C.median(rs), "per_round": rs,
+                ratio_rows.append([label, w, "-", report.median(rs), min(rs), max(rs), len(rs)])
+                ratio_records.append({"comparison": label, "world_size": w, "median": report.median(rs), "per_round": rs,
                                       "peak_bytes": {num: nums, den: dens}})
 
     calib = {w: rk[0].get("calibration") for w, rk in results.items() if rk[0].get("calibration")}
-    md = (f"GPT {C.param_count(cfg) / 1e6:.2f}M params (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}), batch "
+    md = (f"GPT {trainers.param_count(cfg) / 1e6:.2f}M params (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}), batch "
           f"{args.batch}x{args.block_size} tokens per rank, fp32, AdamW, {args.threads} thread(s) per rank; "
           f"step = median over {args.rounds} alternated rounds of the median of {args.steps} steps.\n")
     for w, c in calib.items():
         md += (f"Simulated interconnect (W={w}): {c['bandwidth_gbps']:.3g} GB/s = FSDP bus bytes per step "
-               f"{c['fsdp_bus_bytes'] / C.MiB:.1f} MiB / compute per step {c['compute_s'] * 1e3:.0f} ms, "
+               f"{c['fsdp_bus_bytes'] / report.MiB:.1f} MiB / compute per step {c['compute_s'] * 1e3:.0f} ms, "
                f"{args.sim_latency_us:g} us latency.\n")
     skipped = sorted({f"- {n} (W={w}): not measured ({msg})" for w, rk in results.items()
                       for n, msg in rk[0].get("skipped", {}).items()})
-    md += "\n" + C.markdown_table(HEADERS, rows) + "\n" + C.markdown_table(HEADERS_RATIO, ratio_rows)
+    md += "\n" + report.markdown_table(HEADERS, rows) + "\n" + report.markdown_table(HEADERS_RATIO, ratio_rows)
     md += ("\n" + "\n".join(skipped) + "\n") if skipped else ""
-    raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": C.environment(),
+    raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": report.environment(),
            "one_process_step_s": one, "calibration": calib, "results": records, "ratios": ratio_records}
 
     def plot():
@@ -247,12 +250,12 @@ def main(argv=None) -> dict:
             ax.set_title(ic, fontsize=10)
             ax.grid(axis="y", alpha=0.3)
         axes[0][0].legend(fontsize=8, loc="lower left", framealpha=0.9)
-        fig.suptitle(f"Step time, GPT {C.param_count(cfg) / 1e6:.1f}M params, batch {args.batch}x{args.block_size} "
+        fig.suptitle(f"Step time, GPT {trainers.param_count(cfg) / 1e6:.1f}M params, batch {args.batch}x{args.block_size} "
                      "per rank (median of alternated rounds)", fontsize=10)
         fig.tight_layout()
         return fig
 
-    C.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet)
+    report.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet, quick=args.quick)
     return raw
 
 

@@ -23,47 +23,36 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_comm, bench_memory, bench_scaling, bench_step  # noqa: E402
-from benchmarks import common as C  # noqa: E402
+from benchmarks import report  # noqa: E402
 
 BENCHMARKS = {"memory": bench_memory, "comm": bench_comm, "step": bench_step, "scaling": bench_scaling}
-
-# --quick: tiny model, W=2, one round: checks that everything runs and writes its outputs, measures nothing useful
-QUICK_MODEL = ["--params", "2e5", "--layers", "2", "--block-size", "16", "--batch", "1"]
-QUICK = {
-    "memory": ["--world-sizes", "2", "--repeat", "1", "--strategies", "one process", "FSDP", "FSDP2 (torch)"]
-              + QUICK_MODEL,
-    "comm": ["--world-sizes", "2", "--max-size", "16KiB", "--budget", "0.01", "--strategies", "FSDP", "DDP (torch)"]
-            + QUICK_MODEL,
-    "step": ["--world-sizes", "2", "--rounds", "1", "--steps", "1", "--memory-rounds", "1", "--profile-steps", "1"]
-            + QUICK_MODEL,
-    "scaling": ["--world-sizes", "1", "2", "--params-per-rank", "1e5", "--layers", "2", "--block-size", "16",
-                "--batch", "1", "--steps", "1", "--strategies", "FSDP", "DDP (torch)"],
-}
-
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=list(BENCHMARKS))
-    p.add_argument("--quick", action="store_true", help="tiny sizes, W=2: a smoke run")
-    p.add_argument("--out", type=Path, default=C.DEFAULT_OUT)
+    p.add_argument("--quick", action="store_true",
+                   help="each benchmark's tiny preset: a smoke run, written to <out>/quick/ and labelled 'quick'")
+    p.add_argument("--out", type=Path, default=None, help=f"default {report.DEFAULT_OUT} (--quick: .../quick)")
     args, rest = p.parse_known_args(argv)
+    if args.out is None:  # a quick run never lands where the real tables are
+        args.out = report.DEFAULT_OUT / "quick" if args.quick else report.DEFAULT_OUT
     t_all = time.perf_counter()
     sections, timings = [], {}
     for name in args.only:
         bench = BENCHMARKS[name]
-        C.log(f"==== {name} ====")
+        report.log(f"==== {name} ====")
         t0 = time.perf_counter()
-        bench.main((QUICK[name] if args.quick else []) + ["--out", str(args.out)] + rest)
+        bench.main((["--quick"] if args.quick else []) + ["--out", str(args.out)] + rest)
         timings[name] = time.perf_counter() - t0
         md = Path(args.out) / f"{name}.md"
-        if C.is_writer() and md.exists():
+        if report.is_writer() and md.exists():
             sections.append(f"## {name} ({timings[name]:.0f} s)\n\n{md.read_text()}")
     total = time.perf_counter() - t_all
-    if C.is_writer():
-        summary = (f"# Benchmarks{' (--quick: sizes too small to mean anything)' if args.quick else ''}\n\n"
-                   f"Total {total:.0f} s; {C.environment()}\n\n" + "\n".join(sections))
+    if report.is_writer():
+        summary = (f"# Benchmarks{' (quick run, --quick: sizes too small to mean anything)' if args.quick else ''}\n\n"
+                   f"Total {total:.0f} s; {report.environment()}\n\n" + "\n".join(sections))
         (Path(args.out) / "summary.md").write_text(summary)
-        C.log(f"all done in {total:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
+        report.log(f"all done in {total:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
               + f"; summary in {Path(args.out) / 'summary.md'}")
     return {"seconds": total, "per_benchmark_s": timings}
 

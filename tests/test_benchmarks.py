@@ -119,6 +119,8 @@ def test_run_all_quick_writes_tables_json_and_plots(tmp_path):
         module = getattr(run_all, f"bench_{name}")
         for header in headers:
             assert header in module.__doc__
+        assert md.startswith("**quick run"), f"{name}.md does not say it is a quick run"
+        assert raw["quick"] is True
     step = (tmp_path / "step.md").read_text()
     assert "Simulated interconnect" in step and "simulated" in step  # the output says when the link is simulated
-    assert (tmp_path / "summary.md").exists()
+    assert "quick run" in (tmp_path / "summary.md").read_text()

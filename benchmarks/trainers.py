@@ -1,0 +1,150 @@
+"""The strategies the benchmarks compare, on one model: the GPT of fsdp_assignment/support/models.py trained with
+AdamW by one process, stock DistributedDataParallel, this project's FSDP (through adapters.py, the one seam) and
+torch's own FSDP2. ``build_trainer`` builds one, ``Trainer.step`` takes one training step."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.comm_meter import CommMeter, ddp_comm_hook
+
+if TYPE_CHECKING:
+    from benchmarks.launch import RankContext
+
+
+def model_config(args_or_payload) -> "Any":
+    from fsdp_assignment.support.models import gpt_config_for_params
+
+    get = (lambda k: args_or_payload[k]) if isinstance(args_or_payload, dict) else (lambda k: getattr(args_or_payload, k))
+    return gpt_config_for_params(int(get("params")), n_layer=get("layers"), block_size=get("block_size"),
+                                 vocab_size=get("vocab"))
+
+
+def model_payload(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ("params", "layers", "block_size", "batch", "vocab")}
+
+
+# name -> (family, options). The names are the row labels of the tables.
+STRATEGIES = {
+    "one process": ("single", {}),
+    "DDP (torch)": ("ddp", {}),
+    "FSDP": ("fsdp", {"reshard": True, "prefetch": False}),
+    "FSDP no-reshard": ("fsdp", {"reshard": False, "prefetch": False}),
+    "FSDP + prefetch": ("fsdp", {"reshard": True, "prefetch": True}),
+    "FSDP2 (torch)": ("fsdp2", {"reshard": True}),
+    "FSDP2 (torch) no-reshard": ("fsdp2", {"reshard": False}),
+}
+
+
+@dataclass
+class Trainer:
+    """A model ready to train with AdamW under one strategy, and its step."""
+    name: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    cfg: Any
+    batch: int
+    device: torch.device
+    step_index: int = 0
+
+    def batch_for(self, rank: int, step: int):
+        from fsdp_assignment.support.models import gpt_batch
+
+        return gpt_batch(self.cfg, self.batch, seed=1000 * step + rank, device=self.device)
+
+    def step(self, rank: int, labels=None, probe: Callable[[str], None] | None = None) -> float:
+        """forward, backward, AdamW step, zero_grad. ``labels`` (a LiveStorageTracker) attributes the memory;
+        ``probe("forward")`` / ``probe("backward")`` is called when that phase has finished."""
+        from fsdp_assignment.support.models import gpt_loss
+
+        idx, tgt = self.batch_for(rank, self.step_index)
+        self.step_index += 1
+        lab = labels.label if labels is not None else (lambda _name: contextlib.nullcontext())
+        with torch.profiler.record_function("bench::forward"), lab("activations"):
+            loss = gpt_loss(self.model, idx, tgt)
+        if probe is not None:
+            probe("forward")
+        with torch.profiler.record_function("bench::backward"), lab("activations"):
+            loss.backward()
+        if probe is not None:
+            probe("backward")
+        if labels is not None:  # what backward left in .grad is the gradient state, wherever it was allocated
+            labels.relabel([p.grad for p in self.model.parameters() if p.grad is not None], "grads")
+        with torch.profiler.record_function("bench::optimizer"), lab("optim"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+
+def build_trainer(name: str, cfg, batch: int, device: torch.device, meter: CommMeter | None = None,
+                  lr: float = 1e-3) -> Trainer:
+    """Build the benchmark GPT under strategy ``name`` (a key of STRATEGIES) with the same seed everywhere."""
+    from fsdp_assignment.support.models import GPT
+
+    family, opt = STRATEGIES[name]
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    if family == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # gradient_as_bucket_view: .grad are views of DDP's buckets, so gradients are not held twice
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+        if meter is not None:
+            model.register_comm_hook(None, ddp_comm_hook(meter))
+    elif family == "fsdp":
+        import adapters
+
+        for block in model.blocks:
+            adapters.fully_shard(block, reshard_after_forward=opt["reshard"])
+        adapters.fully_shard(model, reshard_after_forward=opt["reshard"])
+        adapters.set_prefetch(model, opt["prefetch"])
+    elif family == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=opt["reshard"])
+        fully_shard(model, mesh=mesh, reshard_after_forward=opt["reshard"])
+    if family == "fsdp":
+        import adapters
+
+        optimizer = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=lr)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    return Trainer(name, model, optimizer, cfg, batch, device)
+
+
+def skipped(name: str, exc: BaseException, ctx: "RankContext") -> dict:
+    """A strategy whose implementation raises NotImplementedError (a student's unfinished task) is skipped, not
+    fatal: the other rows still get measured, and the table lists what was skipped. Every rank raises at the same
+    point (the same code runs everywhere), so the ranks stay in step."""
+    ctx.log(f"{name}: skipped, {type(exc).__name__}: {exc}")
+    dist.barrier()
+    return {"skipped": f"{type(exc).__name__}: {exc}"}
+
+
+def param_count(cfg) -> int:
+    """Ψ: parameters of the benchmark GPT, the tied head counted once."""
+    from fsdp_assignment.support.models import GPT
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def unit_param_counts(cfg) -> dict:
+    """Parameters per FSDP unit: the root (embeddings, ln_f, tied head) and one block."""
+    from fsdp_assignment.support.models import GPT
+
+    with torch.device("meta"):
+        m = GPT(cfg)
+    block = sum(p.numel() for p in m.blocks[0].parameters())
+    return {"root": param_count(cfg) - block * cfg.n_layer, "block": block, "n_blocks": cfg.n_layer}
+
