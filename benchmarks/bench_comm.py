@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.cli import QUICK_MODEL  # noqa: E402
-from benchmarks import cli, comm_meter, launch, measure, report, trainers  # noqa: E402
+from benchmarks import cli, comm_meter, launch, measure, report, sweep, trainers  # noqa: E402
 
 NAME = "comm"
 # --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
@@ -171,10 +171,10 @@ def main(argv=None) -> dict:
           f"{psi / 1e6:.2f}M params", quiet=args.quiet)
 
     results: dict[int, dict] = {}
+    done = sweep.run(args, NAME, "benchmarks.bench_comm:worker", [(f"W{w}", w, payload) for w in args.world_sizes])
     for w in args.world_sizes:
-        ranks = launch.launch(args, "benchmarks.bench_comm:worker", w, payload)
-        if ranks is not None:
-            results[w] = ranks[0]  # times are already the slowest rank's; byte counts are the same on every rank
+        if f"W{w}" in done:  # times are already the slowest rank's; byte counts are the same on every rank
+            results[w] = done[f"W{w}"][0]
     if not report.is_writer():
         return {}
 
@@ -249,7 +249,9 @@ def main(argv=None) -> dict:
         fig.tight_layout()
         return fig
 
-    report.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet, quick=args.quick)
+    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), plot, quiet=args.quiet,
+                         quick=args.quick)
+    sweep.raise_failures(args)
     return raw
 
 

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.cli import QUICK_MODEL  # noqa: E402
-from benchmarks import cli, comm_meter, launch, measure, report, trainers  # noqa: E402
+from benchmarks import cli, comm_meter, launch, measure, report, sweep, trainers  # noqa: E402
 from fsdp_assignment.support.memory import LiveStorageTracker  # noqa: E402
 
 NAME = "memory"
@@ -170,8 +170,10 @@ def main(argv=None) -> dict:
         runs.setdefault(w, []).extend(n for n in args.strategies if n != "one process")
     measured: dict[tuple[int, str], list[dict]] = {}  # (W, strategy) -> every rank's result
     skipped: list[str] = []
+    done = sweep.run(args, NAME, "benchmarks.bench_memory:worker",
+                     [(f"W{w}", w, {**payload, "strategies": names}) for w, names in sorted(runs.items())])
     for w, names in sorted(runs.items()):
-        ranks = launch.launch(args, "benchmarks.bench_memory:worker", w, {**payload, "strategies": names})
+        ranks = done.get(f"W{w}")
         for name in names if ranks is not None else []:
             if "skipped" in ranks[0][name]:
                 skipped.append(f"- {name} (W={w}): not measured ({ranks[0][name]['skipped']})")
@@ -237,7 +239,9 @@ def main(argv=None) -> dict:
         fig.tight_layout(rect=(0, 0, 0.88, 0.95))
         return fig
 
-    report.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet, quick=args.quick)
+    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), plot, quiet=args.quiet,
+                         quick=args.quick)
+    sweep.raise_failures(args)
     return raw
 
 

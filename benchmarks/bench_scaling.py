@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import cli, launch, measure, report, trainers  # noqa: E402
+from benchmarks import cli, launch, measure, report, sweep, trainers  # noqa: E402
 
 NAME = "scaling"
 # --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
@@ -83,13 +83,16 @@ def main(argv=None) -> dict:
 
     results: dict[int, dict] = {}
     configs = {}
+    launches = []
     for w in args.world_sizes:
         payload = {**trainers.model_payload(args), "params": args.params_per_rank * w, "strategies": args.strategies,
                    "steps": args.steps}
         configs[w] = trainers.model_config(payload)
-        ranks = launch.launch(args, "benchmarks.bench_scaling:worker", w, payload)
-        if ranks is not None:
-            results[w] = {"ranks": ranks, "psi": trainers.param_count(configs[w])}
+        launches.append((f"W{w}", w, payload))
+    done = sweep.run(args, NAME, "benchmarks.bench_scaling:worker", launches)
+    for w in args.world_sizes:
+        if f"W{w}" in done:
+            results[w] = {"ranks": done[f"W{w}"], "psi": trainers.param_count(configs[w])}
     if not report.is_writer():
         return {}
 
@@ -146,7 +149,9 @@ def main(argv=None) -> dict:
         fig.tight_layout()
         return fig
 
-    report.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet, quick=args.quick)
+    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), plot, quiet=args.quiet,
+                         quick=args.quick)
+    sweep.raise_failures(args)
     return raw
 
 

@@ -48,7 +48,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.cli import QUICK_MODEL  # noqa: E402
-from benchmarks import cli, comm_meter, launch, measure, report, trainers  # noqa: E402
+from benchmarks import cli, comm_meter, launch, measure, report, sweep, trainers  # noqa: E402
 
 NAME = "step"
 # --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
@@ -167,15 +167,12 @@ def main(argv=None) -> dict:
               f"{args.sim_latency_us:g} us latency); the first pass is {real_name}", quiet=False)
 
     one = None
-    if not args.no_one_process:
-        ranks = launch.launch(args, "benchmarks.bench_step:worker", 1, {**payload, "strategies": ["one process"]})
-        if ranks is not None:
-            one = report.median(ranks[0]["phases"][0]["times"]["one process"])
-    results = {}
-    for w in args.world_sizes:
-        ranks = launch.launch(args, "benchmarks.bench_step:worker", w, payload)
-        if ranks is not None:
-            results[w] = ranks
+    launches = [] if args.no_one_process else [("one", 1, {**payload, "strategies": ["one process"]})]
+    launches += [(f"W{w}", w, payload) for w in args.world_sizes]
+    done = sweep.run(args, NAME, "benchmarks.bench_step:worker", launches)
+    if "one" in done:
+        one = report.median(done["one"][0]["phases"][0]["times"]["one process"])
+    results = {w: done[f"W{w}"] for w in args.world_sizes if f"W{w}" in done}
     if not report.is_writer():
         return {}
 
@@ -255,7 +252,9 @@ def main(argv=None) -> dict:
         fig.tight_layout()
         return fig
 
-    report.write_outputs(args.out, NAME, raw, md, plot, quiet=args.quiet, quick=args.quick)
+    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), plot, quiet=args.quiet,
+                         quick=args.quick)
+    sweep.raise_failures(args)
     return raw
 
 

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# benchmarks/slurm/slurm_up.sh - bring up a real one-node Slurm cluster on this machine, for tests/test_slurm.py
-# (which submits a 2-rank benchmark through submitit) and for trying `--launcher slurm` without a cluster.
+# benchmarks/slurm/slurm_up.sh - bring up a real Slurm cluster on this machine, for tests/test_slurm.py and for
+# trying `--launcher slurm` without a cluster:
 #
-#   sudo bash benchmarks/slurm/slurm_up.sh      # as root; Debian 12 (bookworm); no systemd needed
-#   bash benchmarks/slurm/slurm_down.sh         # stops exactly what this script started
+#   sudo bash benchmarks/slurm/slurm_up.sh --nodes 2   # two nodes: two network namespaces (netns.sh), each with its
+#                                                       # own hostname (fsdpn1, fsdpn2), address and slurmd
+#   sudo bash benchmarks/slurm/slurm_up.sh             # one node on 127.0.0.1 (machines that cannot make namespaces)
+#   bash benchmarks/slurm/slurm_down.sh                # stops exactly what this script started (and the namespaces)
 #
+# --nodes 2 on a machine that cannot make network namespaces exits with status 3 and names the missing capability.
+# Switching between 1 and 2 nodes rewrites slurm.conf and restarts the daemons this script started.
 # Cold machine: installs munge, slurmctld, slurmd, slurm-client, and (for accounting) slurmdbd + mariadb-server with
 # apt, then starts munged, mariadbd, slurmdbd, slurmctld, slurmd by hand. Idempotent: run it again while the cluster
 # is up and it changes nothing; after slurm_down.sh it starts it again. Every daemon it starts is appended as
@@ -14,7 +18,9 @@
 # writing its result (cancelled, timed out, killed) leaves job.result() waiting forever; with it, submitit raises.
 # FSDP_SLURM_ACCOUNTING=0 skips it (the cluster still runs jobs).
 #
-# Everything talks over 127.0.0.1: SlurmctldHost and NodeAddr are 127.0.0.1, MariaDB binds 127.0.0.1 only.
+# One node: everything talks over 127.0.0.1. Two nodes: slurmctld is at the bridge's address (10.77.0.1), the nodes
+# at 10.77.0.11 and .12, so controller <-> node and rank <-> rank traffic stays on the private bridge; slurmdbd and
+# MariaDB stay on 127.0.0.1 beside the controller.
 # Based on the worked example in the project notes (shared/notes/SLURM.md); Slurm 22.05 as packaged by Debian 12.
 set -euo pipefail
 
@@ -27,10 +33,23 @@ CONF=/etc/slurm/slurm.conf                            # Debian's compiled-in def
 DBDCONF=/etc/slurm/slurmdbd.conf
 PIDS=$ROOT/started.pids
 HOST=$(hostname -s)
+HERE=$(cd "$(dirname "$0")" && pwd)
+NODES=${FSDP_SLURM_NODES:-1}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nodes) NODES=$2; shift 2 ;;
+    --nodes=*) NODES=${1#--nodes=}; shift ;;
+    *) echo "usage: $0 [--nodes 1|2]" >&2; exit 2 ;;
+  esac
+done
+case "$NODES" in 1|2) ;; *) echo "slurm_up.sh: --nodes must be 1 or 2" >&2; exit 2 ;; esac
 log() { echo "[slurm_up $(date +%T)] $*" >&2; }
 T0=$(date +%s.%N)
 elapsed() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$T0" "$(date +%s.%N)" 2>/dev/null || echo "?"; }
 [ "$(id -u)" = 0 ] || { log "run me as root (I install packages and start system daemons)"; exit 1; }
+if [ "$NODES" = 2 ]; then   # fail before installing anything when the namespaces cannot be made
+  WHY=$(bash "$HERE/netns.sh" check) || { log "cannot start the two-node cluster: $WHY (the one-node cluster, without --nodes 2, still works)"; exit 3; }
+fi
 
 # ---------------------------------------------------------------- 1. install (once)
 PKGS=""
@@ -97,13 +116,22 @@ fi
 # marked INVAL), with RealMemory cut to 90% (RealMemory above what slurmd sees drains it: "Low RealMemory").
 HW=$(/usr/sbin/slurmd -C | head -1)
 CPUS=$(sed -n 's/.*CPUs=\([0-9]*\).*/\1/p' <<<"$HW")
-MEM=$(( $(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$HW") * 9 / 10 ))
+MEM=$(( $(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$HW") * 9 / 10 / NODES ))   # the nodes share this machine
 TOPO=$(grep -o 'Boards=[0-9]* SocketsPerBoard=[0-9]* CoresPerSocket=[0-9]* ThreadsPerCore=[0-9]*' <<<"$HW")
+if [ "$NODES" = 2 ]; then
+  NET=${FSDP_SLURM_SUBNET:-10.77.0}
+  CTL_ADDR=$NET.1; NODE_NAMES="fsdpn1 fsdpn2"
+  NODE_LINES="NodeName=fsdpn1 NodeAddr=$NET.11 CPUs=$CPUS $TOPO RealMemory=$MEM State=UNKNOWN
+NodeName=fsdpn2 NodeAddr=$NET.12 CPUs=$CPUS $TOPO RealMemory=$MEM State=UNKNOWN"
+else
+  CTL_ADDR=127.0.0.1; NODE_NAMES=$HOST
+  NODE_LINES="NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS $TOPO RealMemory=$MEM State=UNKNOWN"
+fi
 NEWCONF=$(mktemp)
 cat > "$NEWCONF" <<EOF
-# written by benchmarks/slurm/slurm_up.sh - one-node cluster on 127.0.0.1
+# written by benchmarks/slurm/slurm_up.sh - $NODES-node cluster ($NODE_NAMES)
 ClusterName=$CLUSTER
-SlurmctldHost=$HOST(127.0.0.1)
+SlurmctldHost=$HOST($CTL_ADDR)
 AuthType=auth/munge
 CredType=cred/munge
 SlurmUser=slurm
@@ -111,11 +139,11 @@ SlurmdUser=root
 SlurmctldPort=6817
 SlurmdPort=6818
 StateSaveLocation=$ROOT/ctld
-SlurmdSpoolDir=$ROOT/d
+SlurmdSpoolDir=$ROOT/d/%n
 SlurmctldPidFile=$ROOT/run/slurmctld.pid
-SlurmdPidFile=$ROOT/run/slurmd.pid
+SlurmdPidFile=$ROOT/run/slurmd-%n.pid
 SlurmctldLogFile=$ROOT/log/slurmctld.log
-SlurmdLogFile=$ROOT/log/slurmd.log
+SlurmdLogFile=$ROOT/log/slurmd-%n.log
 # no cgroups anywhere
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -136,8 +164,8 @@ InactiveLimit=0
 MailProg=/bin/true
 KillWait=5
 MinJobAge=300
-NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS $TOPO RealMemory=$MEM State=UNKNOWN
-PartitionName=$PARTITION Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
+$NODE_LINES
+PartitionName=$PARTITION Nodes=$(tr ' ' ',' <<<"$NODE_NAMES") Default=YES MaxTime=INFINITE State=UP
 EOF
 CHANGED=0
 if ! cmp -s "$NEWCONF" "$CONF"; then CHANGED=1; install -m 0644 "$NEWCONF" "$CONF"; log "wrote $CONF"; fi
@@ -190,18 +218,23 @@ EOF
   [ -n "$(sacctmgr -n -P show cluster "$CLUSTER" format=cluster)" ] || sacctmgr -i add cluster "$CLUSTER" >/dev/null
 fi
 
-# ---------------------------------------------------------------- 5. slurmctld + slurmd
-CTLD_PID=$(pid_of_file "$ROOT/run/slurmctld.pid"); D_PID=$(pid_of_file "$ROOT/run/slurmd.pid")
-if [ "$CHANGED" = 1 ]; then   # config changed under running daemons: restart them, but only if we started them
-  for nd in "slurmd $D_PID" "slurmctld $CTLD_PID"; do
-    set -- $nd
-    alive "${2:-}" "$1" || continue
-    grep -qx "$1 $2" "$PIDS" || die "slurm.conf changed but $1 (pid $2) was not started by this script; restart it yourself"
-    log "slurm.conf changed: restarting $1 (pid $2)"; kill -TERM "$2"
-    for _ in $(seq 120); do alive "$2" "$1" || break; sleep 0.25; done
-    sed -i "/^$1 $2\$/d" "$PIDS"
+# ---------------------------------------------------------------- 5. network, slurmctld, one slurmd per node
+if [ "$CHANGED" = 1 ]; then   # config changed under running daemons: restart those we started (newest first)
+  tac "$PIDS" | while read -r n p; do
+    case "$n" in slurmd|slurmctld) ;; *) continue ;; esac
+    alive "$p" "$n" || continue
+    log "slurm.conf changed: stopping $n (pid $p)"; kill -TERM "$p"
+    for _ in $(seq 120); do alive "$p" "$n" || break; sleep 0.25; done
+    sed -i "/^$n $p\$/d" "$PIDS"
+  done
+  for n in slurmctld slurmd; do   # one we did not start would keep the old configuration: refuse
+    pgrep -x "$n" >/dev/null && die "slurm.conf changed but a $n this script did not start is running; stop it yourself"
   done
 fi
+if [ "$NODES" = 2 ]; then
+  FSDP_SLURM_ROOT=$ROOT bash "$HERE/netns.sh" up || die "could not create the private network (netns.sh up)"
+fi
+CTLD_PID=$(pid_of_file "$ROOT/run/slurmctld.pid")
 if alive "$CTLD_PID" slurmctld; then
   log "slurmctld already running (pid $CTLD_PID)"
 else
@@ -211,34 +244,50 @@ else
   record slurmctld "$(pid_of_file "$ROOT/run/slurmctld.pid")"
 fi
 wait_for 30 scontrol ping || die "slurmctld not answering" "$ROOT/log/slurmctld.log"
-if alive "$D_PID" slurmd; then
-  log "slurmd already running (pid $D_PID)"
-else
-  rm -f "$ROOT/run/slurmd.pid"
-  /usr/sbin/slurmd                                     # daemonizes
-  wait_for 20 test -s "$ROOT/run/slurmd.pid" || die "slurmd did not start" "$ROOT/log/slurmd.log"
-  record slurmd "$(pid_of_file "$ROOT/run/slurmd.pid")"
-fi
+i=0
+for node in $NODE_NAMES; do
+  i=$((i + 1))
+  install -d -o root -g root -m 0755 "$ROOT/d/$node"
+  D_PID=$(pid_of_file "$ROOT/run/slurmd-$node.pid")
+  if alive "$D_PID" slurmd; then log "slurmd of $node already running (pid $D_PID)"; continue; fi
+  rm -f "$ROOT/run/slurmd-$node.pid"
+  if [ "$NODES" = 2 ]; then   # in the node's namespace, with the node's hostname; daemonizes
+    FSDP_SLURM_ROOT=$ROOT bash "$HERE/netns.sh" exec "$i" /usr/sbin/slurmd -N "$node" \
+      || die "slurmd of $node failed to start" "$ROOT/log/slurmd-$node.log"
+  else
+    /usr/sbin/slurmd -N "$node" || die "slurmd failed to start" "$ROOT/log/slurmd-$node.log"
+  fi
+  wait_for 20 test -s "$ROOT/run/slurmd-$node.pid" || die "slurmd of $node did not start" "$ROOT/log/slurmd-$node.log"
+  record slurmd "$(pid_of_file "$ROOT/run/slurmd-$node.pid")"
+done
 
-# ---------------------------------------------------------------- 6. wait for the node to be idle
-for i in $(seq 120); do
-  raw=$(sinfo -h -N -n "$HOST" -o %T 2>/dev/null | head -1)   # e.g. idle, idle* (= not responding yet), down*
+# ---------------------------------------------------------------- 6. wait for every node to be idle
+node_state() { # idle / down / drain / notresponding ...
+  local raw st; raw=$(sinfo -h -N -n "$1" -o %T 2>/dev/null | head -1)   # e.g. idle, idle* (= not responding), down*
   st=$(tr -d '*~#!%$@^-' <<<"$raw")
   case "$raw" in *'*') [ "$st" = down ] || st=notresponding ;; esac
-  case "$st" in
-    idle|mixed|allocated|completing)
-      # with accounting: also wait until slurmctld has registered with slurmdbd (sacct works from then on)
-      if [ "$ACCT" = 1 ] && [ "$(sacctmgr -n -P show cluster "$CLUSTER" format=controlport 2>/dev/null)" = 6817 ] \
-         || [ "$ACCT" != 1 ]; then
-        log "node $HOST is $st - cluster ready in $(elapsed) s (partition $PARTITION; stop it with slurm_down.sh)"; exit 0
-      fi ;;
-    down|drain|drained|draining|fail|inval)
-      if [ "$i" -gt 8 ]; then   # give registration a few seconds, then clear a stale DOWN/DRAIN
-        log "node $HOST is $st ($(sinfo -h -N -n "$HOST" -o %E)); resuming"
-        scontrol update NodeName="$HOST" State=RESUME || true
-      fi ;;
-  esac
+  echo "$st"
+}
+for i in $(seq 120); do
+  ready=1
+  for node in $NODE_NAMES; do
+    st=$(node_state "$node")
+    case "$st" in
+      idle|mixed|allocated|completing) ;;
+      down|drain|drained|draining|fail|inval)
+        ready=0
+        if [ "$i" -gt 8 ]; then   # give registration a few seconds, then clear a stale DOWN/DRAIN
+          log "node $node is $st ($(sinfo -h -N -n "$node" -o %E)); resuming"
+          scontrol update NodeName="$node" State=RESUME || true
+        fi ;;
+      *) ready=0 ;;
+    esac
+  done
+  # with accounting: also wait until slurmctld has registered with slurmdbd (sacct works from then on)
+  if [ "$ready" = 1 ] && { [ "$ACCT" != 1 ] || [ "$(sacctmgr -n -P show cluster "$CLUSTER" format=controlport 2>/dev/null)" = 6817 ]; }; then
+    log "nodes $NODE_NAMES idle - cluster ready in $(elapsed) s (partition $PARTITION; stop it with slurm_down.sh)"; exit 0
+  fi
   sleep 0.5
 done
 sinfo -N -l >&2 || true
-die "node never became idle" "$ROOT/log/slurmd.log"
+die "the nodes never became idle" "$ROOT/log/slurmctld.log"
