@@ -186,3 +186,12 @@ def launch(args: argparse.Namespace, target: str, world_size: int, payload: Any)
     log(f"{target.split(':')[0].split('.')[-1]} W={world_size}: done in {time.perf_counter() - t0:.1f} s",
         quiet=args.quiet)
     return results
+
+
+def probe(ctx: RankContext, payload: Any) -> dict:
+    """The smallest worker: where this rank runs. `sweep.run(args, "probe", "benchmarks.launch:probe", ...)` checks
+    that a launcher's ranks meet (tests/test_slurm.py uses it for the queue cases)."""
+    import socket
+
+    return {"host": socket.gethostname(), "rank": ctx.rank, "local_rank": ctx.local_rank, "device": str(ctx.device),
+            "world_size": dist.get_world_size()}

@@ -73,7 +73,9 @@ def write_outputs(out_dir: Path, name: str, raw: dict, markdown: str, plot: Call
         fig.savefig(paths["png"], dpi=110)
         plt.close(fig)
     print(markdown)
-    log(f"wrote {paths['md']}, {paths['json']}, {paths['png']}", quiet=quiet)
+    if plot is None:
+        del paths["png"]
+    log("wrote " + ", ".join(str(v) for v in paths.values()), quiet=quiet)
     return {k: str(v) for k, v in paths.items()}
 
 

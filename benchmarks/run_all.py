@@ -22,14 +22,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import bench_comm, bench_memory, bench_scaling, bench_step  # noqa: E402
+from benchmarks import bench_comm, bench_gpt2, bench_memory, bench_scaling, bench_step  # noqa: E402
 from benchmarks import report  # noqa: E402
 
-BENCHMARKS = {"memory": bench_memory, "comm": bench_comm, "step": bench_step, "scaling": bench_scaling}
+BENCHMARKS = {"memory": bench_memory, "comm": bench_comm, "step": bench_step, "scaling": bench_scaling,
+              "gpt2": bench_gpt2}
+DEFAULT = ["memory", "comm", "step", "scaling"]  # gpt2 (minutes on a CPU) only when asked: --only gpt2
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=list(BENCHMARKS))
+    p.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=DEFAULT)
     p.add_argument("--quick", action="store_true",
                    help="each benchmark's tiny preset: a smoke run, written to <out>/quick/ and labelled 'quick'")
     p.add_argument("--out", type=Path, default=None, help=f"default {report.DEFAULT_OUT} (--quick: .../quick)")

@@ -37,6 +37,7 @@ def load_manifest(folder: Path, name: str) -> dict:
             manifest = json.loads(candidate.read_text())
             if manifest["name"] != name:
                 raise SystemExit(f"--collect {folder}: that is a {manifest['name']!r} sweep, not {name!r}")
+            manifest["folder"] = str(candidate.parent.resolve())  # where its results are, whatever --out says now
             return manifest
     raise SystemExit(f"--collect {folder}: no {name} sweep there (looked for manifest.json and "
                      f"{name}.sweep/manifest.json)")
@@ -51,7 +52,7 @@ def _save(path: Path, obj: Any) -> None:
 def run(args: argparse.Namespace, name: str, target: str, launches: list[tuple[str, int, dict]]) -> dict[str, list]:
     """Run (or with --collect, gather) ``launches`` = [(key, W, payload)]; return {key: every rank's result} for
     the launches that finished. Failures are kept in ``args.sweep_failures`` for ``raise_failures``."""
-    folder = folder_of(args, name)
+    folder = folder_of(args, name) if args.collect is None else Path(load_manifest(args.collect, name)["folder"])
     args.sweep_failures = []
     writer = is_writer()
     if writer:
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace, name: str, target: str, launches: list[tuple[s
             old.unlink()
         manifest_path.write_text(json.dumps(manifest, indent=2))
     elif args.collect is not None:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = load_manifest(folder, name)
     else:
         manifest = {"jobs": {}}
 

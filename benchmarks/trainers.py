@@ -83,8 +83,12 @@ class Trainer:
 
 
 def build_trainer(name: str, cfg, batch: int, device: torch.device, meter: CommMeter | None = None,
-                  lr: float = 1e-3) -> Trainer:
-    """Build the benchmark GPT under strategy ``name`` (a key of STRATEGIES) with the same seed everywhere."""
+                  lr: float = 1e-3, count_ddp: bool = False) -> Trainer:
+    """Build the benchmark GPT under strategy ``name`` (a key of STRATEGIES) with the same seed everywhere.
+
+    DDP is stock ``DistributedDataParallel`` (its C++ reducer and default all-reduce; gradient_as_bucket_view so
+    that .grad are views of its buckets). Only ``count_ddp=True`` (bench_comm's byte counts, never a timing) gives it
+    a communication hook that routes each bucket through ``dist.all_reduce``, where ``meter`` can count it."""
     from fsdp_assignment.support.models import GPT
 
     family, opt = STRATEGIES[name]
@@ -96,7 +100,7 @@ def build_trainer(name: str, cfg, batch: int, device: torch.device, meter: CommM
         # gradient_as_bucket_view: .grad are views of DDP's buckets, so gradients are not held twice
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
-        if meter is not None:
+        if count_ddp and meter is not None:
             model.register_comm_hook(None, ddp_comm_hook(meter))
     elif family == "fsdp":
         import adapters

@@ -88,7 +88,8 @@ HEADERS = {
              "| counted / formula | note |"],
     "step": ["| strategy | W | interconnect | step ms | vs one process | exposed comm | tokens/s |",
              "| comparison | W | interconnect | ratio (median) | min | max | rounds |"],
-    "scaling": ["| strategy | W | params M | step ms | weak-scaling efficiency | peak MiB per rank | peak vs smallest W |"],
+    "scaling": ["| scaling | strategy | W | global batch | batch per rank | step ms | efficiency | tokens/s "
+                "| peak MiB per rank |"],
 }
 
 

@@ -1,8 +1,13 @@
-"""A real SLURM round trip: submit a 2-rank benchmark through submitit and get its table back.
+"""Real SLURM round trips: benchmarks and a training run through submitit, on one node and across two, plus the
+queue cases (a request that can never run, a job that pends longer than the run timeout, a driver killed
+mid-sweep) and torchrun across the two nodes.
 
-Needs a reachable SLURM cluster: `sudo bash benchmarks/slurm/slurm_up.sh` brings up a one-node cluster on this
-machine (and `bash benchmarks/slurm/slurm_down.sh` stops it). Without one the test is skipped, and says why,
-unless FSDP_REQUIRE_SLURM=1 (as in CI, which starts the cluster first): then a missing cluster is a failure.
+Needs a reachable SLURM cluster: `sudo bash benchmarks/slurm/slurm_up.sh --nodes 2` brings up a two-node cluster on
+this machine (network namespaces fsdpn1/fsdpn2; `slurm_up.sh` alone: one node on 127.0.0.1), and
+`bash benchmarks/slurm/slurm_down.sh` stops it. Without a cluster every test here is skipped and says why, unless
+FSDP_REQUIRE_SLURM=1 (CI, which starts the cluster first): then a missing cluster is a failure. The two-node tests
+skip only when FSDP_SLURM_NO_NETNS says why the namespaces could not be made (CI sets it from slurm_up.sh's error).
+The tests start no daemons; blocker jobs and driver processes they start are stopped by id in `finally`.
 """
 
 from __future__ import annotations
@@ -10,16 +15,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]
 HEADER = "| collective | W | interconnect | size | time us | algbw GB/s | busbw GB/s |"
+NODES = ("fsdpn1", "fsdpn2")
 
 
 def _slurm_problem() -> str | None:
     """None when a SLURM controller answers and has a usable node; otherwise what is missing."""
-    for tool in ("sbatch", "sinfo", "scontrol"):
+    for tool in ("sbatch", "sinfo", "scontrol", "squeue"):
         if shutil.which(tool) is None:
             return f"no `{tool}` on PATH (no SLURM client installed; benchmarks/slurm/slurm_up.sh installs one)"
     try:
@@ -42,16 +54,44 @@ def require_slurm() -> None:
         return
     if os.environ.get("FSDP_REQUIRE_SLURM") == "1":
         pytest.fail(f"FSDP_REQUIRE_SLURM=1 but SLURM is not reachable: {problem}. "
-                    f"Start it with `bash benchmarks/slurm/slurm_up.sh` (as root).", pytrace=False)
-    pytest.skip(f"SLURM not reachable: {problem}. `sudo bash benchmarks/slurm/slurm_up.sh` starts a local "
-                f"one-node cluster (FSDP_REQUIRE_SLURM=1 turns this skip into a failure)")
+                    f"Start it with `bash benchmarks/slurm/slurm_up.sh --nodes 2` (as root).", pytrace=False)
+    pytest.skip(f"SLURM not reachable: {problem}. `sudo bash benchmarks/slurm/slurm_up.sh --nodes 2` starts a local "
+                f"two-node cluster (FSDP_REQUIRE_SLURM=1 turns this skip into a failure)")
 
 
+def require_two_nodes() -> None:
+    """The two-node cluster of benchmarks/slurm/slurm_up.sh --nodes 2: nodes fsdpn1 and fsdpn2 idle, namespaces up."""
+    require_slurm()
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=15).stdout
+    states = dict(line.split()[:2] for line in nodes.splitlines() if line.strip())
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout if shutil.which("ip") else ""
+    ok = all(states.get(n, "").rstrip("*~#!%$@^-") in {"idle", "mixed", "allocated", "completing"} for n in NODES)
+    if ok and all(n in netns for n in NODES):
+        return
+    problem = f"the two-node cluster is not up (sinfo: {states}; network namespaces: {netns.split()})"
+    why_not = os.environ.get("FSDP_SLURM_NO_NETNS")
+    if why_not:
+        pytest.skip(f"two-node SLURM tests skipped: this machine cannot make network namespaces: {why_not}")
+    if os.environ.get("FSDP_REQUIRE_SLURM") == "1":
+        pytest.fail(f"FSDP_REQUIRE_SLURM=1 but {problem}. Start it with "
+                    f"`bash benchmarks/slurm/slurm_up.sh --nodes 2`.", pytrace=False)
+    pytest.skip(f"{problem}; `sudo bash benchmarks/slurm/slurm_up.sh --nodes 2` starts it")
+
+
+def _args(out: Path, *flags: str):
+    """Parsed benchmark flags for a probe sweep (benchmarks.launch:probe, the smallest worker)."""
+    from benchmarks import cli
+
+    p = cli.base_parser("probe")
+    cli.world_sizes_arg(p, [2])
+    return cli.parse(p, ["--launcher", "slurm", "--out", str(out), "--slurm-time-min", "5", *flags], "probe")
+
+
+# ---- one node or two: a benchmark's table comes back ----------------------------------------------------
 @pytest.mark.timeout(300)
 def test_benchmark_through_submitit_returns_its_table(tmp_path):
-    """bench_comm at a tiny size as one submitit job with tasks_per_node=2: the two SLURM tasks form a gloo
-    process group (FileStore in the submitit folder), run the collectives and a counted DDP step, and their
-    results come back to this process, which writes the same table as a local run."""
+    """bench_comm at a tiny size as one submitit job with 2 tasks: the tasks rendezvous over TCP at the job's first
+    node, run the collectives and a counted DDP step, and their results come back into the same table."""
     require_slurm()
     from benchmarks import bench_comm
 
@@ -68,3 +108,160 @@ def test_benchmark_through_submitit_returns_its_table(tmp_path):
     # the job really went through SLURM: submitit left the two tasks' logs in its folder
     logs = sorted(p.name for p in (tmp_path / "slurm").glob("*_log.out"))
     assert any(name.endswith("_0_log.out") for name in logs) and any(name.endswith("_1_log.out") for name in logs), logs
+    # --collect rebuilds the very same table from the sweep's saved results
+    bench_comm.main(["--collect", str(tmp_path), "--out", str(tmp_path / "again"), "--quiet"])
+    assert (tmp_path / "again" / "comm.md").read_text() == md
+
+
+# ---- two nodes -----------------------------------------------------------------------------------------
+def _train_table(md: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines()
+            if line.startswith("| ") and not line.startswith("| W ") and "---" not in line]
+
+
+@pytest.mark.timeout(420)
+def test_submitit_two_nodes_trains_like_one_process(tmp_path):
+    """W=4 as 2 nodes x 2 tasks through submitit: ranks on both namespaces, GPT trained with FSDP (reference
+    through adapters) equals one process within 1e-5 (relative, in norm)."""
+    require_two_nodes()
+    from benchmarks import train_gpt
+
+    raw = train_gpt.main(["--launcher", "slurm", "--slurm-nodes", "2", "--world-sizes", "4", "--timeout", "300",
+                          "--slurm-time-min", "8", "--out", str(tmp_path), "--quiet"])
+    ranks = raw["results"][0]["ranks"]
+    assert sorted({r["host"] for r in ranks}) == list(NODES), [r["host"] for r in ranks]
+    assert sorted(r["local_rank"] for r in ranks) == [0, 0, 1, 1]
+    assert ranks[0]["max_rel_err"] <= 1e-5, (ranks[0]["worst_param"], ranks[0]["max_rel_err"])
+    assert _train_table((tmp_path / "train.md").read_text())[0][:3] == ["4", "2", "fsdpn1, fsdpn2"]
+
+
+@pytest.mark.timeout(420)
+def test_torchrun_across_the_two_namespaces(tmp_path):
+    """`torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint fsdpn1:PORT` in each namespace:
+    one W=4 job whose ranks sit on both nodes and train like one process."""
+    require_two_nodes()
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks/slurm/torchrun_2nodes.sh"), "2", "benchmarks/train_gpt.py",
+                           "--world-sizes", "4", "--out", str(tmp_path), "--quiet"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    raw = json.loads((tmp_path / "train.json").read_text())
+    ranks = raw["results"][0]["ranks"]
+    assert raw["config"]["launcher"] == "torchrun"
+    assert sorted({r["host"] for r in ranks}) == list(NODES)
+    assert ranks[0]["max_rel_err"] <= 1e-5
+
+
+# ---- the queue -----------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_a_request_slurm_can_never_satisfy_fails_at_once_with_the_reason(tmp_path):
+    """More nodes than the cluster has, and a node feature nobody has: both fail with SLURM's own words and a
+    hint listing what the cluster offers, without waiting for a timeout."""
+    require_slurm()
+    from benchmarks import slurm_launch, sweep
+
+    n_nodes = len(subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True).stdout.split())
+    w = n_nodes + 1
+    with pytest.raises(slurm_launch.NeverRuns) as too_big:
+        sweep.run(_args(tmp_path / "a", "--slurm-nodes", str(w), "--timeout", "3000"), "probe",
+                  "benchmarks.launch:probe", [(f"W{w}", w, {})])
+    said = str(too_big.value)
+    assert "PartitionConfig" in said or "node configuration is not available" in said or "Node count" in said, said
+    assert "Hint: this cluster offers" in said
+    with pytest.raises(slurm_launch.NeverRuns) as bad_feature:
+        sweep.run(_args(tmp_path / "b", "--slurm-constraint", "no-such-feature"), "probe", "benchmarks.launch:probe",
+                  [("W2", 2, {})])
+    assert "Invalid feature specification" in str(bad_feature.value) or "BadConstraints" in str(bad_feature.value)
+    # nothing of ours is left in the queue
+    mine = subprocess.run(["squeue", "-h", "-n", "fsdp-probe-W" + str(w)], capture_output=True, text=True).stdout
+    assert mine.strip() == ""
+
+
+def _blocker(flag: Path) -> str:
+    """A job holding every node until ``flag`` exists; returns its id."""
+    n_nodes = len(subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True).stdout.split())
+    out = subprocess.run(["sbatch", "--parsable", "--exclusive", f"--nodes={n_nodes}", "--job-name=fsdp-test-blocker",
+                          f"--output={flag.parent}/blocker.out",
+                          f"--wrap=while [ ! -e {flag} ]; do sleep 0.5; done"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return out.split(";")[0]
+
+
+def _state(job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.timeout(300)
+def test_a_job_pending_longer_than_the_run_timeout_is_not_cancelled(tmp_path):
+    """--timeout counts from when SLURM starts the job: a job kept PENDING (every node held by another job) for
+    longer than --timeout is still waited for, runs once the nodes free up, and its results come back."""
+    require_slurm()
+    from benchmarks import sweep
+
+    flag = tmp_path / "release"
+    blocker = _blocker(flag)
+    run_timeout = 45.0
+    args = _args(tmp_path / "out", "--timeout", str(run_timeout), "--queue-timeout", "600")
+    outcome: dict = {}
+
+    def drive():
+        try:
+            outcome["done"] = sweep.run(args, "probe", "benchmarks.launch:probe", [("W2", 2, {})])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcome["error"] = exc
+
+    driver = threading.Thread(target=drive, daemon=True)
+    try:
+        while _state(blocker) != "RUNNING":
+            time.sleep(0.5)
+        driver.start()
+        manifest = tmp_path / "out" / "probe.sweep" / "manifest.json"
+        while not (manifest.exists() and json.loads(manifest.read_text())["jobs"]):
+            assert driver.is_alive(), outcome
+            time.sleep(0.5)
+        job = json.loads(manifest.read_text())["jobs"]["W2"]["job_id"]
+        t_pending = time.monotonic()
+        while time.monotonic() - t_pending < run_timeout + 10:  # pending for longer than the run timeout
+            assert _state(job) == "PENDING", f"job {job} left PENDING while the nodes were held: {_state(job)!r}"
+            assert driver.is_alive(), outcome
+            time.sleep(1)
+        flag.touch()  # the blocker ends, the nodes free up, the job runs
+        driver.join(timeout=240)
+    finally:
+        flag.touch()
+        subprocess.run(["scancel", blocker], capture_output=True)
+    assert not driver.is_alive(), "the driver never returned"
+    assert "error" not in outcome, outcome.get("error")
+    ranks = outcome["done"]["W2"]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+
+
+@pytest.mark.timeout(420)
+def test_killing_the_driver_mid_sweep_then_collect_gives_the_tables(tmp_path):
+    """A W=2,4 sweep is submitted at once; the driver is killed before any job finished; `--collect` waits for the
+    jobs, and writes a table with both W, and collecting again gives the same table byte for byte."""
+    require_two_nodes()
+    from benchmarks import train_gpt
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "benchmarks/train_gpt.py"), "--launcher", "slurm", "--slurm-nodes", "2",
+           "--world-sizes", "2", "4", "--steps", "2", "--timeout", "300", "--out", str(out)]
+    driver = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    manifest = out / "train.sweep" / "manifest.json"
+    try:
+        while not (manifest.exists() and len(json.loads(manifest.read_text())["jobs"]) == 2):
+            assert driver.poll() is None, driver.stdout.read().decode()[-3000:]
+            time.sleep(0.2)
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver and only it (its own session)
+        driver.wait()
+    assert not (out / "train.md").exists()
+    jobs = json.loads(manifest.read_text())["jobs"]
+    train_gpt.main(["--collect", str(out), "--quiet"])
+    md = (out / "train.md").read_text()
+    rows = _train_table(md)
+    assert [r[0] for r in rows] == ["2", "4"], md
+    assert all(float(r[-1]) <= 1e-5 for r in rows), md
+    train_gpt.main(["--collect", str(out / "train.sweep"), "--out", str(tmp_path / "again"), "--quiet"])
+    assert (tmp_path / "again" / "train.md").read_text() == md
+    for rec in jobs.values():
+        assert _state(rec["job_id"]) in ("", "COMPLETED", "COMPLETING")
