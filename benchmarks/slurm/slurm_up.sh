@@ -228,11 +228,15 @@ if [ "$CHANGED" = 1 ]; then   # config changed under running daemons: restart th
     sed -i "/^$n $p\$/d" "$PIDS"
   done
   for n in slurmctld slurmd; do   # one we did not start would keep the old configuration: refuse
-    pgrep -x "$n" >/dev/null && die "slurm.conf changed but a $n this script did not start is running; stop it yourself"
+    for p in $(pgrep -x "$n"); do   # (zombies of stopped daemons, not yet reaped by PID 1, do not count)
+      alive "$p" "$n" && die "slurm.conf changed but a $n this script did not start is running (pid $p); stop it yourself"
+    done
   done
 fi
 if [ "$NODES" = 2 ]; then
   FSDP_SLURM_ROOT=$ROOT bash "$HERE/netns.sh" up || die "could not create the private network (netns.sh up)"
+else   # back to one node: the namespaces of an earlier two-node run (only those netns.sh recorded) go
+  FSDP_SLURM_ROOT=$ROOT bash "$HERE/netns.sh" down 2>/dev/null || true
 fi
 CTLD_PID=$(pid_of_file "$ROOT/run/slurmctld.pid")
 if alive "$CTLD_PID" slurmctld; then
