@@ -7,7 +7,7 @@ this machine (network namespaces fsdpn1/fsdpn2; `slurm_up.sh` alone: one node on
 `bash benchmarks/slurm/slurm_down.sh` stops it. Without a cluster every test here is skipped and says why, unless
 FSDP_REQUIRE_SLURM=1 (CI, which starts the cluster first): then a missing cluster is a failure. The two-node tests
 skip only when FSDP_SLURM_NO_NETNS says why the namespaces could not be made (CI sets it from slurm_up.sh's error).
-The tests start no daemons; blocker jobs and driver processes they start are stopped by id in `finally`.
+All are marked slow (`-m "not slow"` leaves them out; CI runs them). The tests start no daemons; blocker jobs and driver processes they start are stopped by id in `finally`.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def _args(out: Path, *flags: str):
 
 
 # ---- one node or two: a benchmark's table comes back ----------------------------------------------------
+@pytest.mark.slow  # minutes: SLURM jobs, torch start-up in every rank
 @pytest.mark.timeout(300)
 def test_benchmark_through_submitit_returns_its_table(tmp_path):
     """bench_comm at a tiny size as one submitit job with 2 tasks: the tasks rendezvous over TCP at the job's first
@@ -119,6 +120,7 @@ def _train_table(md: str) -> list[list[str]]:
             if line.startswith("| ") and not line.startswith("| W ") and "---" not in line]
 
 
+@pytest.mark.slow  # minutes: SLURM jobs, torch start-up in every rank
 @pytest.mark.timeout(420)
 def test_submitit_two_nodes_trains_like_one_process(tmp_path):
     """W=4 as 2 nodes x 2 tasks through submitit: ranks on both namespaces, GPT trained with FSDP (reference
@@ -135,6 +137,7 @@ def test_submitit_two_nodes_trains_like_one_process(tmp_path):
     assert _train_table((tmp_path / "train.md").read_text())[0][:3] == ["4", "2", "fsdpn1, fsdpn2"]
 
 
+@pytest.mark.slow  # minutes: SLURM jobs, torch start-up in every rank
 @pytest.mark.timeout(420)
 def test_torchrun_across_the_two_namespaces(tmp_path):
     """`torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint fsdpn1:PORT` in each namespace:
@@ -152,6 +155,7 @@ def test_torchrun_across_the_two_namespaces(tmp_path):
 
 
 # ---- the queue -----------------------------------------------------------------------------------------
+@pytest.mark.slow  # minutes: SLURM jobs, torch start-up in every rank
 @pytest.mark.timeout(120)
 def test_a_request_slurm_can_never_satisfy_fails_at_once_with_the_reason(tmp_path):
     """More nodes than the cluster has, and a node feature nobody has: both fail with SLURM's own words and a
@@ -190,6 +194,7 @@ def _state(job_id: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
 
 
+@pytest.mark.slow  # minutes: SLURM jobs, torch start-up in every rank
 @pytest.mark.timeout(300)
 def test_a_job_pending_longer_than_the_run_timeout_is_not_cancelled(tmp_path):
     """--timeout counts from when SLURM starts the job: a job kept PENDING (every node held by another job) for
@@ -235,6 +240,7 @@ def test_a_job_pending_longer_than_the_run_timeout_is_not_cancelled(tmp_path):
     assert sorted(r["rank"] for r in ranks) == [0, 1]
 
 
+@pytest.mark.slow  # minutes: SLURM jobs, torch start-up in every rank
 @pytest.mark.timeout(420)
 def test_killing_the_driver_mid_sweep_then_collect_gives_the_tables(tmp_path):
     """A W=2,4 sweep is submitted at once; the driver is killed before any job finished; `--collect` waits for the
