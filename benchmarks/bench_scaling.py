@@ -118,6 +118,7 @@ def main(argv=None) -> dict:
                 continue
             base = results[base_w]
             base_step = max(r[name][mode]["step_s"] for r in base)
+            base_peak = max(r[name][mode]["peak_bytes"] for r in base)
             for w, ranks in results.items():
                 per = [r[name][mode] for r in ranks]
                 step = max(x["step_s"] for x in per)  # every rank passes the same barriers: about equal
@@ -130,7 +131,8 @@ def main(argv=None) -> dict:
                              tokens, peak / report.MiB])
                 records.append({"scaling": mode, "strategy": name, "world_size": w, "global_batch": w * batch,
                                 "batch_per_rank": batch, "step_s": step, "efficiency": eff, "tokens_per_s": tokens,
-                                "peak_bytes": peak, "per_rank": per})
+                                "peak_bytes": peak, "peak_vs_base": peak / base_peak, "psi_params": psi,
+                                "per_rank": per})
 
     md = (f"GPT {psi / 1e6:.2f}M params (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}) at every W, sequences of "
           f"{args.block_size} tokens, fp32, AdamW. weak: {args.batch} sequences per rank (global batch grows with W), "

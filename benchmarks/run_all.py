@@ -22,11 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import bench_comm, bench_gpt2, bench_memory, bench_scaling, bench_step  # noqa: E402
+from benchmarks import bench_comm, bench_memory, bench_scaling, bench_step, gpt2_small  # noqa: E402
 from benchmarks import report  # noqa: E402
 
 BENCHMARKS = {"memory": bench_memory, "comm": bench_comm, "step": bench_step, "scaling": bench_scaling,
-              "gpt2": bench_gpt2}
+              "gpt2": gpt2_small}
 DEFAULT = ["memory", "comm", "step", "scaling"]  # gpt2 (minutes on a CPU) only when asked: --only gpt2
 
 def main(argv=None) -> dict:

@@ -1,10 +1,10 @@
 """GPT-2 small under FSDP: built on meta, sharded and materialized unit by unit, trained a few AdamW steps, with
 and without activation checkpointing; per-rank peak memory next to the 16Ψ/W + units + activations model.
 
-    python benchmarks/bench_gpt2.py                           # W=2, CPU, GPT-2 small (124M params): a few minutes
-    python benchmarks/bench_gpt2.py --layers 4 --n-embd 256 --vocab 8192      # a smaller model, same shape
-    python benchmarks/bench_gpt2.py --device cuda             # on GPUs: the peak is torch.cuda.max_memory_allocated
-    python benchmarks/bench_gpt2.py --quick                   # tiny sizes: a smoke run
+    python benchmarks/gpt2_small.py                           # W=2, CPU, GPT-2 small (124M params): a few minutes
+    python benchmarks/gpt2_small.py --layers 4 --n-embd 256 --vocab 8192      # a smaller model, same shape
+    python benchmarks/gpt2_small.py --device cuda             # on GPUs: the peak is torch.cuda.max_memory_allocated
+    python benchmarks/gpt2_small.py --quick                   # tiny sizes: a smoke run
 
 Every rank builds GPT-2 small's shape (fsdp_assignment/support/models.py's GPT: 12 blocks, n_embd 768, 12 heads,
 vocab 50257, 1024 positions, tied head: Ψ = 124.4M) on the ``meta`` device, wraps each block and then the root with
@@ -217,7 +217,7 @@ def main(argv=None) -> dict:
     psi = trainers.param_count(cfg)
     report.log(f"gpt2: Ψ = {psi / 1e6:.1f}M params (L={cfg.n_layer}, d={cfg.n_embd}, vocab {cfg.vocab_size}), "
                f"W in {args.world_sizes}, batch {args.batch}x{payload['seq']} per rank", quiet=args.quiet)
-    done = sweep.run(args, NAME, "benchmarks.bench_gpt2:worker", [(f"W{w}", w, payload) for w in args.world_sizes])
+    done = sweep.run(args, NAME, "benchmarks.gpt2_small:worker", [(f"W{w}", w, payload) for w in args.world_sizes])
     if not report.is_writer():
         return {}
     rows, records = [], []
