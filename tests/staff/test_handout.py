@@ -114,3 +114,22 @@ def test_writeup_points_and_deliverables_match_the_points_table():
     assert {k: int(v) for k, v in tables.items()} == points.WRITEUP_TABLE_POINTS
     assert re.search(rf"^## Bonus.*\n(.*\n)*?\*Deliverable \(up to {points.BONUS_POINTS} points\):\*", text,
                      re.MULTILINE), "WRITEUP_TEMPLATE.md: no bonus section with its points"
+
+
+def test_ci_runs_the_readmes_own_commands():
+    """.ci/run installs with the README's install line (pip's quiet flags aside) and runs its test command."""
+    release = _load_release()
+    install, test = release.readme_commands((ROOT / "README.md").read_text(encoding="utf-8"))
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    head, _, args = install.partition("pip install")
+    ci_installs = [re.sub(r"\s--(quiet|disable-pip-version-check)\b", "", line) for line in ci if "pip install" in line]
+    assert any(line.startswith(head.strip()) and line.endswith(args.strip()) for line in ci_installs), \
+        f".ci/run does not run the README's install line `{install}`: {ci_installs}"
+    assert test in ci, f".ci/run does not run the README's test command `{test}`"
+
+
+def _load_release():
+    spec = importlib.util.spec_from_file_location("release", ROOT / "staff" / "release.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
