@@ -294,9 +294,12 @@ def quick_run(path: Path) -> str | None:
     if path.suffix == ".md":
         return "it says --quick" if "--quick" in path.read_text(errors="replace") else None
     try:
-        config = json.loads(path.read_text()).get("config", {})
+        raw = json.loads(path.read_text())
+        config = raw.get("config", {})
     except (ValueError, AttributeError):
         return None
+    if raw.get("quick"):
+        return "it says quick"
     if not isinstance(config, dict):
         return None
     if config.get("quick"):
@@ -317,6 +320,9 @@ results = [f for f in files if f.startswith("benchmarks/results/")]
 if not results:
     print("WARNING: no benchmark results (benchmarks/results/*.json, *.md, *.png). Run the benchmarks: their tables")
     print("         belong in your writeup, and the results in the zip.")
+    if any(Path("benchmarks/results/quick").glob("*.json")):
+        print("         (benchmarks/results/quick/ holds a --quick smoke run only: its numbers mean nothing and it is")
+        print("         not zipped. Run python benchmarks/run_all.py without --quick.)")
 quick = [(f, why) for f in results if f.endswith((".json", ".md")) for why in [quick_run(Path(f))] if why]
 if quick:
     print("WARNING: these benchmark results come from a --quick smoke run (tiny sizes; the numbers mean nothing):")

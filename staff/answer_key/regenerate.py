@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         results = Path(tempfile.mkdtemp(prefix="answer-key-"))
         command, seconds = run_benchmarks(results, args.full)
     after = machine()
+    if (results / "quick").is_dir() and not (results / "memory.json").exists():
+        results = results / "quick"  # run_all.py --quick writes into <out>/quick/
     env = load(results, "memory").get("environment", {})
     lines = [
         "<!-- STAFF ANSWER KEY: never in the student release (staff/release.py refuses it). -->",

@@ -206,11 +206,24 @@ def test_quick_benchmark_results_are_warned_about(repo):
     assert "step.json" not in proc.stdout.split("--quick smoke run")[1].split("Run python")[0]
     assert zipped(repo) == set(TASK_FILES) | {"WRITEUP.md", "benchmarks/results/memory.json",
                                               "benchmarks/results/step.json", "benchmarks/results/summary.md"}
+    # The benchmarks' own label (a top-level "quick": true) is recognised too.
+    (results / "comm.json").write_text('{"quick": true, "config": {"params": 4000000.0}}')
+    proc = run(repo, "--skip-tests")
+    assert "benchmarks/results/comm.json (it says quick)" in proc.stdout, proc.stdout
+    (results / "comm.json").unlink()
     # Real-size results: no warning.
     (results / "memory.json").write_text('{"config": {"params": 4000000.0}}')
     (results / "summary.md").write_text("# Benchmarks\n")
     proc = run(repo, "--skip-tests")
     assert proc.returncode == 0 and "--quick" not in proc.stdout, proc.stdout
+    # Only a quick run, in benchmarks/results/quick/ (where --quick writes): not zipped, and said so.
+    for f in list(results.iterdir()):
+        f.unlink()
+    (results / "quick").mkdir()
+    (results / "quick" / "memory.json").write_text('{"quick": true}')
+    proc = run(repo, "--skip-tests")
+    assert "no benchmark results" in proc.stdout and "results/quick/ holds a --quick smoke run" in proc.stdout
+    assert zipped(repo) == set(TASK_FILES) | {"WRITEUP.md"}
 
 
 def test_a_python_without_torch_suggests_the_virtualenv(repo, tmp_path):
