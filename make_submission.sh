@@ -290,7 +290,8 @@ tmp.replace(out_path)
 
 
 def quick_run(path: Path) -> str | None:
-    """Why a benchmark result looks like a --quick smoke run (tiny sizes: its numbers measure nothing), or None."""
+    """Why a benchmark result is a --quick smoke run (tiny sizes: its numbers measure nothing), or None: the
+    benchmarks label them (a top-level "quick": true in the JSON, "--quick" in the markdown)."""
     if path.suffix == ".md":
         return "it says --quick" if "--quick" in path.read_text(errors="replace") else None
     try:
@@ -304,12 +305,6 @@ def quick_run(path: Path) -> str | None:
         return None
     if config.get("quick"):
         return "its config says quick"
-    for key, limit in (("params", 2e5), ("params_per_rank", 1e5)):
-        try:
-            if key in config and float(config[key]) <= limit:
-                return f"{key}={config[key]}, the --quick size"
-        except (TypeError, ValueError):
-            pass
     return None
 
 

@@ -194,22 +194,24 @@ def test_quick_benchmark_results_are_warned_about(repo):
     (repo / "WRITEUP.md").write_text(filled_writeup())
     results = repo / "benchmarks" / "results"
     results.mkdir(parents=True)
-    (results / "memory.json").write_text('{"config": {"params": 200000.0, "world_sizes": [2]}}')
+    (results / "memory.json").write_text('{"quick": true, "config": {"params": 200000.0, "world_sizes": [2]}}')
     (results / "step.json").write_text('{"config": {"params": 4000000.0}}')
+    (results / "scaling.json").write_text('{"config": {"params": 0, "params_per_rank": 1e6}}')  # not quick
     (results / "summary.md").write_text("# Benchmarks (--quick: sizes too small to mean anything)\n")
     (results / "cache.pt").write_text("not included")
     proc = run(repo, "--skip-tests")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "--quick smoke run" in proc.stdout, proc.stdout
-    assert "benchmarks/results/memory.json (params=200000.0" in proc.stdout
+    assert "benchmarks/results/memory.json (it says quick)" in proc.stdout
     assert "benchmarks/results/summary.md (it says --quick)" in proc.stdout
     assert "step.json" not in proc.stdout.split("--quick smoke run")[1].split("Run python")[0]
-    assert zipped(repo) == set(TASK_FILES) | {"WRITEUP.md", "benchmarks/results/memory.json",
-                                              "benchmarks/results/step.json", "benchmarks/results/summary.md"}
+    assert "scaling.json" not in proc.stdout.split("--quick smoke run")[1].split("Run python")[0]
+    assert zipped(repo) == set(TASK_FILES) | {"WRITEUP.md", "benchmarks/results/memory.json", "benchmarks/results/step.json",
+                                              "benchmarks/results/scaling.json", "benchmarks/results/summary.md"}
     # The benchmarks' own label (a top-level "quick": true) is recognised too.
-    (results / "comm.json").write_text('{"quick": true, "config": {"params": 4000000.0}}')
+    (results / "comm.json").write_text('{"config": {"quick": true}}')
     proc = run(repo, "--skip-tests")
-    assert "benchmarks/results/comm.json (it says quick)" in proc.stdout, proc.stdout
+    assert "benchmarks/results/comm.json (its config says quick)" in proc.stdout, proc.stdout
     (results / "comm.json").unlink()
     # Real-size results: no warning.
     (results / "memory.json").write_text('{"config": {"params": 4000000.0}}')
