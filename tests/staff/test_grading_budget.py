@@ -236,3 +236,17 @@ def test_a_task_that_spends_its_share_cannot_spend_the_next_ones(tmp_path):
     # Task 2 kept its share: the hang took what task 1 had (and nothing of task 2's), so task 2 still ran.
     assert tests["test_2a_passes"]["status"] == "passed", tests["test_2a_passes"]["output"]
     assert "task shares of the budget" in tests["_stdout"]
+
+
+# ---- real hanging submissions, graded in full (slow: three whole grading runs) ---------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("case", ["hang_task1", "hang_task4", "hang_task6"])
+def test_a_hanging_submission_loses_only_the_tests_that_reach_the_hang(case, tmp_path):
+    """The reference with one hang put in (zoo.HANG_CASES), graded like Gradescope (540 s, budget 480 s): every
+    test that lost points calls the hung function (so it lost them on the merits, not to the budget), and the
+    run ends by itself. `python staff/autograder/zoo.py --hangs` prints the scores."""
+    import zoo
+    result = zoo.run_hang_case(next(c for c in zoo.HANG_CASES if c.id == case), tmp_path)
+    assert not result["problems"], "\n".join(result["problems"]) + "\n" + result["summary"]
+    assert result["lost_by_task"].get(int(case[-1]), 0) > 0, f"the hang in {case} cost nothing:\n{result['summary']}"
