@@ -450,7 +450,7 @@ TIMES_FILE = Path(__file__).resolve().parent / "test_times.json"
 TEST_TIMEOUT_FLOOR_S = 30.0   # no test gets less: start-up alone (fork, process group) takes seconds under load
 TEST_TIMEOUT_FACTOR = 15.0    # x the reference's quiet time; the reference ran 9.5x slower at load 10 (issue 8)
 LOAD_FACTOR = 10.0            # what a task is expected to need: 10x its reference time (load 10), ...
-NEED_FLOOR_S = 0.5            # ... counting each test as at least this long
+NEED_FLOOR_S = 2.0            # ... counting each test as at least this long (start-up: fork, process group)
 UNKNOWN_TEST_S = 5.0          # a test missing from the times file (regenerate it: measure_times.py)
 MIN_START_S = 1.0             # a test with less than this left of what its task may spend is not started
 

@@ -79,12 +79,13 @@ def test_shares_follow_what_each_task_needs_at_load_10():
     limits.times = {"a": {"seconds": 10.0}, "b": {"seconds": 0.1}, "c": {"seconds": 2.0}}
     assert limits.limit("a") == 150.0 and limits.limit("b") == 30.0
     limits.plan([("a", 1), ("b", 2), ("c", 2)])
-    # needs: task 1 10 x 10 = 100; task 2 10 x 0.5 + 10 x 2 = 25  ->  shares 384 and 96 of 480
-    assert limits.share == pytest.approx({1: 384.0, 2: 96.0})
+    # needs (each test counts at least 2 s): task 1 10 x 10 = 100; task 2 10 x 2 + 10 x 2 = 40
+    # -> shares 480 x 100/140 and 480 x 40/140
+    assert limits.share == pytest.approx({1: 480 * 100 / 140, 2: 480 * 40 / 140})
     assert limits.why_not_run("a", 1, elapsed=0.0) is None
-    limits.spent[1] = 384.0 + 1  # task 1 hung through its share: task 2's stays reserved
-    assert limits.why_not_run("a", 1, elapsed=385.0) is not None
-    assert limits.why_not_run("b", 2, elapsed=385.0) is None
+    limits.spent[1] = limits.share[1] + 1  # task 1 hung through its share: task 2's stays reserved
+    assert limits.why_not_run("a", 1, elapsed=limits.share[1] + 1) is not None
+    assert limits.why_not_run("b", 2, elapsed=limits.share[1] + 1) is None
 
 
 def test_every_graded_test_has_a_measured_time():
