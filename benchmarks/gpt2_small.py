@@ -32,7 +32,11 @@ peak comes from fsdp_assignment/support/memory.py's LiveStorageTracker; on GPU f
 
 Output: <out>/gpt2.json, gpt2.md, gpt2.png.
 
-| W | activation checkpointing | peak MiB | model MiB | model error | 16Ψ/W MiB | units MiB | activations MiB | init peak MiB | step s |
+| W | activation checkpointing | peak MiB | model MiB | model error | 16Ψ/W MiB | units MiB | activations MiB | after forward MiB | init peak MiB | step s |
+
+"after forward" is what a rank holds when forward ends (12·S + activations + what stays unsharded): where activation
+checkpointing shows. With a small batch per rank the peak itself comes at the end of backward (all gradient shards
+plus the root's full parameters and gradients), where checkpointing changes nothing.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from benchmarks import bench_memory, cli, launch, measure, report, sweep  # noqa
 
 NAME = "gpt2"
 HEADERS = ["W", "activation checkpointing", "peak MiB", "model MiB", "model error", "16Ψ/W MiB", "units MiB",
-           "activations MiB", "init peak MiB", "step s"]
+           "activations MiB", "after forward MiB", "init peak MiB", "step s"]
 QUICK = ["--layers", "2", "--n-embd", "64", "--n-head", "4", "--vocab", "512", "--positions", "64", "--seq", "16",
          "--steps", "1"]
 
@@ -110,14 +114,18 @@ def activation_probe(cfg, batch: int, seq: int, device) -> dict:
     block = Block(cfg).to(device)
     x = torch.randn(batch, seq, cfg.n_embd, device=device, requires_grad=True)
     with LiveStorageTracker(device=device.type) as mem:
+        # the parameters are tracked first: ops return views of them (the transposed weight inside F.linear),
+        # which would otherwise be counted as new memory
+        base = mem.track(block, "params") + mem.track(x, "input")
         y = block(x)
-        a_block = mem.current_bytes
+        a_block = mem.current_bytes - base
     del block, x, y
     root = GPT(GPTConfig(**{**cfg.__dict__, "n_layer": 0})).to(device)
     idx, tgt = gpt_batch(cfg, batch, seed=0, device=device)
     with LiveStorageTracker(device=device.type) as mem:
+        base = mem.track(root, "params")
         loss = gpt_loss(root, idx[:, :seq], tgt[:, :seq])
-        a_root = mem.current_bytes
+        a_root = mem.current_bytes - base
     del root, loss
     return {"a_block_bytes": a_block, "a_root_bytes": a_root}
 
@@ -148,26 +156,41 @@ def worker(ctx: launch.RankContext, payload: dict) -> dict:
             opt = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=1e-4)
             mem.track(model, "params")
 
-            def step(i):
+            def step(i, phases=None):
+                """One AdamW step; with ``phases`` (a dict), the peak of forward+backward and of the optimizer step
+                separately (the model's two terms) and the bytes alive when forward ends."""
                 idx, tgt = gpt_batch(cfg, batch, seed=1000 * i + ctx.rank, device=ctx.device)
+                region = _Peak(mem, ctx.device).__enter__() if phases is not None else None
                 loss = gpt_loss(model, idx[:, :seq], tgt[:, :seq])
+                if phases is not None:
+                    phases["after_forward_bytes"] = mem.current_bytes
                 loss.backward()
+                if phases is not None:
+                    region.__exit__()
+                    phases["forward_backward_peak_bytes"] = region.bytes
+                    region = _Peak(mem, ctx.device).__enter__()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                if phases is not None:
+                    region.__exit__()
+                    phases["optimizer_peak_bytes"] = region.bytes
+                    phases["peak_bytes"] = max(phases["forward_backward_peak_bytes"], region.bytes)
                 return float(loss.detach())
 
             losses = [step(0)]  # warm-up: AdamW's moments exist from here on
             mem.track(opt, "optim")
-            peaks, times = [], []
+            measured, times = [], []
             for i in range(1, payload["steps"] + 1):
                 torch.distributed.barrier()
-                with _Peak(mem, ctx.device) as pk:
-                    t = time.perf_counter()
-                    losses.append(step(i))
-                    times.append(time.perf_counter() - t)
-                peaks.append(pk.bytes)
+                phases: dict = {}
+                t = time.perf_counter()
+                losses.append(step(i, phases))
+                times.append(time.perf_counter() - t)
+                measured.append(phases)
+            peaks = [m["peak_bytes"] for m in measured]
             shard_elems = sum(p.numel() for p in model.parameters())
         out["modes"][str(ac)] = {"init_peak_bytes": init.bytes, "init_s": t_init, "peaks_bytes": peaks,
+                                 "phases": measured,
                                  "peak_bytes": statistics.median(peaks), "step_s": times, "losses": losses,
                                  "shard_elems": shard_elems, "wall_s": time.perf_counter() - t0,
                                  "tracker": "torch.cuda.max_memory_allocated" if ctx.device.type == "cuda"
@@ -233,7 +256,9 @@ def main(argv=None) -> dict:
             step_s = statistics.median(t for r in res for t in r["step_s"])
             rows.append([w, "on" if ac else "off", peak / report.MiB, m["peak_bytes"] / report.MiB, f"{err:+.1%}",
                          m["states_bytes"] / report.MiB, m["units_bytes"] / report.MiB,
-                         m["activations_bytes"] / report.MiB, max(r["init_peak_bytes"] for r in res) / report.MiB,
+                         m["activations_bytes"] / report.MiB,
+                         max(statistics.median(ph["after_forward_bytes"] for ph in r["phases"]) for r in res) / report.MiB,
+                         max(r["init_peak_bytes"] for r in res) / report.MiB,
                          step_s])
             records.append({"world_size": w, "checkpointing": ac, "peak_bytes": peak, "model": m, "model_error": err,
                             "per_rank": res, "step_s": step_s})

@@ -125,3 +125,23 @@ def test_run_all_quick_writes_tables_json_and_plots(tmp_path):
     step = (tmp_path / "step.md").read_text()
     assert "Simulated interconnect" in step and "simulated" in step  # the output says when the link is simulated
     assert "quick run" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_gpt2_and_train_quick_runs(tmp_path):
+    """gpt2_small.py and train_gpt.py at their --quick sizes (W=2, local launcher): the GPT-2 run writes a row per
+    checkpointing setting with a measured peak and its model; the training run equals one process (1e-5)."""
+    from benchmarks import gpt2_small, train_gpt
+
+    raw = gpt2_small.main(["--quick", "--out", str(tmp_path), "--quiet"])
+    md = (tmp_path / "gpt2.md").read_text()
+    assert md.startswith("**quick run") and "| W | activation checkpointing | peak MiB | model MiB |" in md
+    assert [r["checkpointing"] for r in raw["results"]] == [False, True]
+    for r in raw["results"]:
+        assert r["peak_bytes"] > 0 and r["model"]["peak_bytes"] > 0
+        # materializing unit by unit never holds the whole model's full parameters on one rank
+        assert max(x["init_peak_bytes"] for x in r["per_rank"]) < 4 * raw["psi"]
+    raw = train_gpt.main(["--quick", "--out", str(tmp_path), "--quiet"])
+    r0 = raw["results"][0]["ranks"][0]
+    assert r0["max_rel_err"] <= 1e-5, (r0["worst_param"], r0["max_rel_err"])
