@@ -75,6 +75,7 @@ up() {
       ip -n "$ns" link set eth0 up; ip -n "$ns" link set lo up
       log "node $ns: $(addr_of $i)/24 on $veth"
     fi
+    [ -d /etc/netns ] || { mkdir /etc/netns; record hostsroot /etc/netns; }
     mkdir -p "/etc/netns/$ns"
     created hosts "/etc/netns/$ns" || record hosts "/etc/netns/$ns"
     { echo "127.0.0.1 localhost"; echo "$NET.1 $(hostname -s)"
@@ -101,6 +102,7 @@ down() { # remove only what up() recorded, newest first
         ip netns del "$name" 2>/dev/null && log "removed netns $name" ;;
       bridge) ip link del "$name" 2>/dev/null && log "removed bridge $name" ;;
       hosts) rm -f "$name/hosts"; rmdir "$name" 2>/dev/null || true ;;
+      hostsroot) rmdir "$name" 2>/dev/null || true ;;   # only if empty: someone else's files stay
     esac
   done
   : > "$CREATED"
