@@ -27,7 +27,7 @@ TASK_TITLES: dict[int, str] = {1: "meta-device init", 2: "FlatParameter", 3: "fo
 # table, and the staff answer key (staff/answer_key/) gives full, partial and no credit for each.
 WRITEUP_QUESTION_POINTS: dict[str, int] = {
     "Q1": 2, "Q2": 2, "Q3": 2, "Q4": 2, "Q5": 2, "Q6": 3, "Q7": 2, "Q8": 3, "Q9": 2, "Q10": 2, "Q11": 3,
-    "Q12": 3, "Q13": 3, "Q14": 3, "Q15": 3, "Q16": 2, "Q17": 3, "Q18": 2, "Q19": 3, "Q20": 2,
+    "Q12": 3, "Q13": 3, "Q14": 3, "Q15": 3, "Q16": 2, "Q17": 3, "Q18": 2, "Q19": 3, "Q20": 2, "Q21": 3,
 }
 WRITEUP_TABLE_POINTS: dict[str, int] = {
     "Memory benchmark": 2, "Communication benchmark": 2, "Step time and prefetching": 2, "Scaling": 2,
