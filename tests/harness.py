@@ -57,11 +57,13 @@ import resource
 import secrets
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
 import time
 import traceback
+from _hashlib import hmac_digest as _hmac_digest
 from datetime import timedelta
 
 import pytest
@@ -73,6 +75,12 @@ __all__ = ["run_ranks", "RankFailure", "require_backend"]
 OUTPUT_TAIL_CHARS = 2000  # how much of a failing rank's stdout/stderr goes into the failure message
 GRACE_AFTER_FAILURE_S = 0.5  # after a first failure, how long other ranks get to report theirs before the kill
 STACK_DUMP_WAIT_S = 0.5  # after SIGUSR1, how long to wait for the stack dumps
+STACK_TAIL_CHARS = 20_000  # how much of a hung rank's stack dump goes into the message
+STOPPED_POLL_S = 1.0  # how often the parent looks for stopped ranks while it waits
+STOPPED_GRACE_S = 2.0  # a rank stopped this long is a failure (a stop the body resumes itself is fine)
+_TAG_BYTES = 32  # HMAC-SHA256 of each message under the run's nonce
+_FORBIDDEN_PREFIX = b"\x00fsdp-harness-forbidden\x00"
+MEMORY_AS_SLACK_BYTES = 1 << 30  # address space a rank may reserve beyond its memory limit (see _apply_limits)
 
 # One forkserver per pytest process, started on first use. Preloading this module (by the name pytest gave it)
 # also preloads torch, torch.distributed and pytest, which test modules import again in every rank.
@@ -136,8 +144,11 @@ def _grader_settings(timeout: float, collective_timeout: float, memory_limit_byt
     own test instead of the whole machine). FSDP_RANK_TIMEOUT_CAP: an upper bound, in seconds, on timeout and
     collective_timeout. FSDP_RANK_DEADLINE: the time (time.time()) by which the current test must end (the
     grading plugin's per-test limit, staff/autograder/grading_plugin.py): timeouts shrink to what is left of
-    it, so a test that calls run_ranks several times still ends by then. FSDP_RANK_USER: a user name; when this process is root, each rank drops to that user
-    right before the body runs (returned as (uid, gid)); otherwise it is ignored."""
+    it, so a test that calls run_ranks several times still ends by then. FSDP_RANK_FILE_LIMIT_BYTES: the largest file a rank may write (RLIMIT_FSIZE; its
+    output file included). FSDP_RANK_MAX_PROCESSES: how many processes and threads the rank user may have at
+    once (RLIMIT_NPROC; only with FSDP_RANK_USER, since it counts every process of the user). FSDP_RANK_USER: a
+    user name; when this process is root, each rank drops to that user right before the body runs (returned as
+    (uid, gid)); otherwise it is ignored."""
     cap = os.environ.get("FSDP_RANK_TIMEOUT_CAP", "").strip()
     if cap:
         timeout, collective_timeout = min(timeout, float(cap)), min(collective_timeout, float(cap))
@@ -155,7 +166,14 @@ def _grader_settings(timeout: float, collective_timeout: float, memory_limit_byt
         entry = pwd.getpwnam(user)
         if entry.pw_uid != 0:
             run_as = (entry.pw_uid, entry.pw_gid)
-    return timeout, collective_timeout, memory_limit_bytes, run_as
+    limits = {}
+    file_limit = os.environ.get("FSDP_RANK_FILE_LIMIT_BYTES", "").strip()
+    if file_limit:
+        limits["fsize"] = int(file_limit)
+    nproc = os.environ.get("FSDP_RANK_MAX_PROCESSES", "").strip()
+    if nproc and run_as is not None:
+        limits["nproc"] = int(nproc)
+    return timeout, collective_timeout, memory_limit_bytes, limits, run_as
 
 
 # ==========================================================================================================
@@ -197,31 +215,38 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     require_backend(backend, world_size)
-    timeout, collective_timeout, memory_limit_bytes, run_as = _grader_settings(timeout, collective_timeout,
-                                                                               memory_limit_bytes)
+    timeout, collective_timeout, memory_limit_bytes, limits, run_as = _grader_settings(
+        timeout, collective_timeout, memory_limit_bytes)
     body_ref = _body_reference(body)
     args_blob = pickle.dumps(args)
     _ensure_forkserver()
     # The environment now, not the forkserver's (a snapshot taken when it started): tests may set FSDP_IMPL.
     env = dict(os.environ)
     nonce = secrets.token_hex(16)
+    # Two places per run. run_dir is ours: each rank's output and stack files, which we read back, live here,
+    # where the body can neither replace them (with a link to a hidden test, or a FIFO) nor add files.
+    # rank_dir, inside it, is the body's: the FileStore and the body's TMPDIR and HOME; we never read from it.
     run_dir = tempfile.mkdtemp(prefix="fsdp-ranks-")
-    if run_as is not None:  # the body runs as run_as: it must reach the FileStore, nothing else of ours
-        store_path = os.path.join(run_dir, "store")
-        open(store_path, "w").close()
-        for path in (run_dir, store_path):
+    rank_dir = os.path.join(run_dir, "rank")
+    os.mkdir(rank_dir, 0o700)
+    os.mkdir(os.path.join(rank_dir, "tmp"), 0o700)
+    open(os.path.join(rank_dir, "store"), "w").close()
+    if run_as is not None:
+        os.chmod(run_dir, 0o711)  # the rank user may pass through to rank_dir, and list nothing of ours
+        for path in (rank_dir, os.path.join(rank_dir, "tmp"), os.path.join(rank_dir, "store")):
             os.chown(path, run_as[0], run_as[1])
     lifeline_r, lifeline_w = _CTX.Pipe(duplex=False)  # the parent keeps the only write end
     ranks: list[_Rank] = []
+    failure = None
     try:
         for rank in range(world_size):
             conn_r, conn_w = _CTX.Pipe(duplex=False)
             out_path = os.path.join(run_dir, f"rank{rank}.out")
             stack_path = os.path.join(run_dir, f"rank{rank}.stacks")
             config = dict(rank=rank, world_size=world_size, backend=backend, body_ref=body_ref,
-                          args_blob=args_blob, nonce=nonce, env=env, run_dir=run_dir,
+                          args_blob=args_blob, nonce=nonce, env=env, rank_dir=rank_dir,
                           out_path=out_path, stack_path=stack_path, collective_timeout=collective_timeout,
-                          memory_limit_bytes=memory_limit_bytes, run_as=run_as)
+                          memory_limit_bytes=memory_limit_bytes, limits=limits, run_as=run_as)
             proc = _CTX.Process(target=_rank_main, args=(config, conn_w, lifeline_r), name=f"rank{rank}")
             ranks.append(_Rank(rank, proc, conn_r, out_path, stack_path))
             proc.start()
@@ -235,7 +260,7 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
         lifeline_r.close()
         for r in ranks:
             r.conn.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)  # symlink-safe: it deletes links, never follows them
     if failure is not None:
         raise failure
     return [r.result for r in ranks]
@@ -261,13 +286,14 @@ def _collect(ranks: list[_Rank], nonce: str, *, deadline: float, timeout: float,
     """Wait for every rank's message or death; stop early after a failure. Returns the failure, if any."""
     give_up_at = deadline
     failures: list[_Rank] = []
+    stopped_since: dict[int, float] = {}
     while True:
         running = [r for r in ranks if r.status == "running"]
         now = time.monotonic()
         if not running or now >= give_up_at:
             break
         waitables = [r.conn for r in running] + [r.proc.sentinel for r in running]
-        ready = set(mp.connection.wait(waitables, timeout=give_up_at - now))
+        ready = set(mp.connection.wait(waitables, timeout=min(give_up_at - now, STOPPED_POLL_S)))
         for r in running:
             # A message is read before a death is believed: a rank exits right after sending.
             if r.conn in ready or (r.proc.sentinel in ready and r.conn.poll(0)):
@@ -276,16 +302,37 @@ def _collect(ranks: list[_Rank], nonce: str, *, deadline: float, timeout: float,
                 r.proc.join(1.0)
                 r.exitcode = r.proc.exitcode
                 r.status = "signal" if r.exitcode is not None and r.exitcode < 0 else "exited"
+            elif _proc_state(r.proc.pid) == "T":
+                # Stopped (SIGSTOP, SIGTSTP): it can neither run nor answer, and its peers wait for it in their
+                # collectives until they time out. It is the cause, not them.
+                since = stopped_since.setdefault(r.rank, time.monotonic())
+                if time.monotonic() - since >= STOPPED_GRACE_S:
+                    r.status = "stopped"
+            else:
+                stopped_since.pop(r.rank, None)
             if r.status not in ("running", "ok"):
                 r.finished_at = time.monotonic()
                 failures.append(r)
                 give_up_at = min(give_up_at, r.finished_at + GRACE_AFTER_FAILURE_S)
+    for r in ranks:  # stopped while the others failed or timed out: still the cause
+        if r.status == "running" and _proc_state(r.proc.pid) == "T":
+            r.status = "stopped"
+            failures.append(r)
     if failures:
         return _explain_failures(failures, ranks, memory_limit_bytes)
     hung = [r for r in ranks if r.status == "running"]
     if hung:
         return _explain_timeout(hung, ranks, timeout)
     return None
+
+
+def _proc_state(pid: int | None) -> str:
+    """The process's state letter from /proc (R, S, D, T stopped, t traced, Z, ...), or "" if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read(4096).rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError, TypeError):
+        return ""
 
 
 def _read_message(r: _Rank, nonce: str) -> None:
@@ -296,13 +343,26 @@ def _read_message(r: _Rank, nonce: str) -> None:
         r.exitcode = r.proc.exitcode
         r.status = "signal" if r.exitcode is not None and r.exitcode < 0 else "exited"
         return
-    message = _decode_message(data)
-    if message is None or not hmac.compare_digest(str(message.get("nonce", "")).encode(), nonce.encode()):
+    # Every message is tag + payload, the tag an HMAC of the payload under this run's nonce. In the rank only the
+    # harness's audit hook holds the nonce (see _install_guard), so a message the body made up fails here.
+    tag, payload = data[:_TAG_BYTES], data[_TAG_BYTES:]
+    expected = hmac.new(nonce.encode(), payload, "sha256").digest()
+    if len(data) < _TAG_BYTES or not hmac.compare_digest(tag, expected):
+        r.status = "bad-message"
+        return
+    if payload.startswith(_FORBIDDEN_PREFIX):
+        r.status = "forbidden"
+        r.error = {"type": "", "message": payload[len(_FORBIDDEN_PREFIX):].decode("utf-8", "replace")[:200],
+                   "traceback": ""}
+        return
+    message = _decode_message(payload)
+    if message is None:
         r.status = "bad-message"
     elif message.get("status") == "ok":
         r.status, r.result = "ok", message.get("result")
     else:
-        r.status = message.get("status") if message.get("status") in ("bad-result", "peer-lost") else "raised"
+        status = message.get("status")
+        r.status = status if status in ("bad-result", "peer-lost", "group-destroyed") else "raised"
         r.error = {k: str(message.get(k, "")) for k in ("type", "message", "traceback")}
 
 
@@ -337,12 +397,20 @@ def _kill_all(ranks: list[_Rank]) -> None:
 
 # ---- Failure messages -------------------------------------------------------------------------------------
 def _explain_failures(failures: list[_Rank], ranks: list[_Rank], memory_limit_bytes: int | None) -> RankFailure:
-    # The story is the first failure that is not an echo of another rank's death: when a rank dies, its peers'
-    # collectives fail with "Connection closed by peer", and may be read first.
-    first, world_size = min(failures, key=lambda r: (_is_echo(r), failures.index(r))), len(ranks)
+    # The story is the first failure that is a cause rather than an echo: a rank that was stopped, destroyed
+    # the process group or touched the harness's secrets comes first; then one that failed on its own; last the
+    # peers whose collectives failed because of another rank ("Connection closed by peer").
+    def rank_of_cause(r: _Rank) -> tuple:
+        cause = r.status in ("stopped", "group-destroyed", "forbidden")
+        return (0 if cause else 2 if _is_echo(r) else 1, failures.index(r))
+    first, world_size = min(failures, key=rank_of_cause), len(ranks)
     lines = [f"rank {first.rank} of {world_size} {_what_happened(first, memory_limit_bytes)}"]
     if first.status in ("raised", "bad-result") and first.error.get("traceback"):
         lines += ["", f"---- rank {first.rank} traceback ----", first.error["traceback"].rstrip()]
+    if first.status == "stopped":
+        stacks = _dump_stacks([first]).get(first.rank)
+        lines += ["", f"---- rank {first.rank} stacks (most recent call first; resumed with SIGCONT to get them) "
+                      f"----", stacks or "(no stack dump)"]
     lines += _output_section(first)
     others = [r for r in ranks if r is not first]
     if others:
@@ -359,8 +427,9 @@ def _explain_failures(failures: list[_Rank], ranks: list[_Rank], memory_limit_by
 
 def _is_echo(r: _Rank) -> bool:
     message = r.error.get("message", "")
-    return r.status == "peer-lost" or (r.status == "raised" and ("closed by peer" in message
-                                                                  or "reset by peer" in message))
+    return r.status == "peer-lost" or (r.status == "raised" and any(
+        words in message for words in ("closed by peer", "reset by peer", "Timed out waiting", "timed out",
+                                       "Timeout waiting", "Connection refused")))
 
 
 def _what_happened(r: _Rank, memory_limit_bytes: int | None) -> str:
@@ -374,9 +443,18 @@ def _what_happened(r: _Rank, memory_limit_bytes: int | None) -> str:
         text = f"raised {r.error['type']}" + (f": {first_line}" if first_line else "")
         if r.error["type"] == "MemoryError" or "can't allocate memory" in r.error["message"]:
             text += " -- out of memory" + memory_note
+        elif r.error["type"] == "OSError" and "File too large" in r.error["message"]:
+            text += " -- a file (or its output) grew past the rank's file size limit"
         return text
-    if r.status in ("bad-result", "peer-lost"):
+    if r.status in ("bad-result", "peer-lost", "group-destroyed"):
         return r.error["message"]
+    if r.status == "forbidden":
+        return (f"used {r.error['message']}, which a rank may not use while a body runs (it reaches into the "
+                f"harness: other objects' memory, stack frames of other threads, tracing); the harness closed its "
+                f"result channel, so this run cannot pass")
+    if r.status == "stopped":
+        return ("was stopped (SIGSTOP or SIGTSTP: os.kill(os.getpid(), signal.SIGSTOP)?) and never resumed; a "
+                "stopped rank cannot run or report, and its peers wait for it in their collectives")
     if r.status == "bad-message":
         return "sent a message that is not a valid result for this run (no positive signal)"
     if r.status == "signal":
@@ -388,8 +466,10 @@ def _what_happened(r: _Rank, memory_limit_bytes: int | None) -> str:
             text += " (os.abort(), or a C++ exception / failed check in native code)" + memory_note
         elif name == "SIGSEGV":
             text += " (a segmentation fault in native code)"
+        elif name == "SIGXFSZ":
+            text += " (a file grew past the rank's file size limit)"
         return text
-    if r.status == "exited" and not os.path.exists(r.out_path):
+    if r.status == "exited" and not os.path.lexists(r.out_path):
         # It died in multiprocessing's start-up, before _rank_main: most likely re-importing __main__.
         main = sys.modules["__main__"]
         main_name = main.__spec__.name if getattr(main, "__spec__", None) else getattr(main, "__file__", "?")
@@ -402,16 +482,23 @@ def _what_happened(r: _Rank, memory_limit_bytes: int | None) -> str:
     return r.status
 
 
-def _explain_timeout(hung: list[_Rank], ranks: list[_Rank], timeout: float) -> RankFailure:
-    for r in hung:  # faulthandler in each rank dumps every thread's stack to its stack file
-        try:
-            os.kill(r.proc.pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
+def _dump_stacks(ranks: list[_Rank]) -> dict[int, str]:
+    """Ask each rank for its stacks (faulthandler on SIGUSR1), a stopped one too (SIGCONT lets it answer)."""
+    for r in ranks:
+        for sig in (signal.SIGUSR1, signal.SIGCONT):  # SIGUSR1 stays pending until SIGCONT resumes it
+            try:
+                os.kill(r.proc.pid, sig)
+            except (ProcessLookupError, PermissionError, TypeError):
+                pass
     wait_until = time.monotonic() + STACK_DUMP_WAIT_S
-    while time.monotonic() < wait_until and not all(_size(r.stack_path) > 0 for r in hung):
+    while time.monotonic() < wait_until and not all(_regular_file_size(r.stack_path) for r in ranks):
         time.sleep(0.02)
     time.sleep(0.05)  # let the last dump finish writing
+    return {r.rank: _tidy_stacks(_read_tail(r.stack_path, STACK_TAIL_CHARS)) for r in ranks}
+
+
+def _explain_timeout(hung: list[_Rank], ranks: list[_Rank], timeout: float) -> RankFailure:
+    stacks = _dump_stacks(hung)  # faulthandler in each rank dumps every thread's stack to its stack file
     finished = [str(r.rank) for r in ranks if r not in hung]
     headline = (f"timed out after {timeout:g} s: rank{'s' if len(hung) > 1 else ''} "
                 f"{', '.join(str(r.rank) for r in hung)} of {len(ranks)} did not finish"
@@ -419,17 +506,37 @@ def _explain_timeout(hung: list[_Rank], ranks: list[_Rank], timeout: float) -> R
                 + "; a collective that not every rank calls, or an endless loop? Stacks below; all ranks killed.")
     lines = [headline]
     for r in hung:
-        stacks = _tidy_stacks(_read_tail(r.stack_path, 20_000)) or "(no stack dump: it did not answer SIGUSR1)"
-        lines += ["", f"---- rank {r.rank} stacks (most recent call first) ----", stacks]
+        dump = stacks.get(r.rank) or "(no stack dump: it did not answer SIGUSR1)"
+        lines += ["", f"---- rank {r.rank} stacks (most recent call first) ----", dump]
         lines += _output_section(r)
     return RankFailure("\n".join(lines), kind="timeout", rank=hung[0].rank)
 
 
-def _size(path: str) -> int:
+def _open_regular(path: str) -> int | None:
+    """A read-only descriptor of ``path`` if it is a regular file, else None. Never follows a link (O_NOFOLLOW)
+    and never blocks on a FIFO or a device (O_NONBLOCK): a rank's files are read back by the grading process,
+    which must neither quote a file the rank pointed it to nor wait on one."""
     try:
-        return os.path.getsize(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return 0
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _regular_file_size(path: str) -> int | None:
+    fd = _open_regular(path)
+    if fd is None:
+        return None
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
 def _tidy_stacks(dump: str) -> str:
@@ -449,6 +556,9 @@ def _tidy_stacks(dump: str) -> str:
 
 
 def _output_section(r: _Rank) -> list[str]:
+    if _regular_file_size(r.out_path) is None and os.path.lexists(r.out_path):
+        return ["", f"---- rank {r.rank} stdout/stderr: not shown, its output file is no longer a regular file "
+                    f"(replaced by a link, a FIFO or a device) ----"]
     tail = _tidy_stacks(_read_tail(r.out_path, OUTPUT_TAIL_CHARS)).rstrip()  # may hold a fatal-error dump
     if not tail:
         return []
@@ -456,13 +566,19 @@ def _output_section(r: _Rank) -> list[str]:
 
 
 def _read_tail(path: str, chars: int) -> str:
+    """The last ``chars`` characters of a regular file, reading at most 4 bytes a character."""
+    fd = _open_regular(path)
+    if fd is None:
+        return ""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4 * chars))
-            return f.read().decode("utf-8", errors="replace")[-chars:]
+        size = os.fstat(fd).st_size
+        want = min(size, 4 * chars)
+        data = os.pread(fd, want, size - want) if want else b""
+        return data.decode("utf-8", errors="replace")[-chars:]
     except OSError:
         return ""
+    finally:
+        os.close(fd)
 
 
 def _first_line(text: str) -> str:
@@ -488,25 +604,32 @@ def _rank_main(config: dict, conn, lifeline) -> None:
     of the body can keep it alive or change its exit code."""
     os.setsid()  # own process group: the parent kills it, and everything it spawns, with one killpg
     threading.Thread(target=_watch_lifeline, args=(lifeline,), name="harness-lifeline", daemon=True).start()
+    # Both files are created here, in the parent's directory (the rank user cannot write there), before the
+    # rank drops privileges: the body writes through the descriptors and cannot replace the files.
     _redirect_output(config["out_path"])
-    stack_file = open(config["stack_path"], "w")
+    stack_file = os.fdopen(_create_private(config["stack_path"]), "w")
     import faulthandler
     faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults, aborts: stacks into the output file
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
+    # The run's nonce and the result pipe go into the guard now; no frame or object Python code can reach
+    # holds them afterwards (config loses the nonce; the Connection is closed, the guard keeps a duplicate fd).
+    _install_guard(config.pop("nonce"), conn)
+    del conn
+    # What runs after the body, bound now: the body cannot swap the harness's own functions for others.
+    save, sendable, report, audit = torch.save, _sendable, _REPORT_EVENT, sys.audit
 
     try:
-        message = {"status": "ok", "result": _run_body(config)}
-    except (_BadResult, _PeerLost) as e:  # the harness's own words; no traceback needed
-        status = "bad-result" if isinstance(e, _BadResult) else "peer-lost"
+        message = {"status": "ok", "result": _run_body(config, sendable)}
+    except (_BadResult, _PeerLost, _GroupDestroyed) as e:  # the harness's own words; no traceback needed
+        status = {_BadResult: "bad-result", _PeerLost: "peer-lost", _GroupDestroyed: "group-destroyed"}[type(e)]
         message = {"status": status, "type": type(e).__name__, "message": str(e), "traceback": ""}
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: only a return counts
         message = {"status": "raised", "type": type(e).__name__, "message": str(e),
                    "traceback": _format_traceback(e)}
-    message["nonce"] = config["nonce"]
     try:
         buf = io.BytesIO()
-        torch.save(message, buf)
-        conn.send_bytes(buf.getvalue())
+        save(message, buf)
+        audit(report, buf.getvalue())  # the guard signs it and sends it, if this frame is the one it trusts
     except BaseException:
         traceback.print_exc()
         code = 3
@@ -517,13 +640,17 @@ def _rank_main(config: dict, conn, lifeline) -> None:
     os._exit(code)
 
 
-def _run_body(config: dict):
+def _run_body(config: dict, sendable):
     rank, world_size, backend = config["rank"], config["world_size"], config["backend"]
-    # The parent's environment at the time of the call, plus what a rank needs.
+    # The parent's environment at the time of the call, plus what a rank needs. TMPDIR and HOME: the body's own
+    # directory, removed with the run (nothing the body writes there outlives the test).
     os.environ.clear()
     os.environ.update(config["env"])
+    body_tmp = os.path.join(config["rank_dir"], "tmp")
     os.environ.update(FSDP_RANK_PROCESS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                      RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+                      RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      TMPDIR=body_tmp, HOME=body_tmp)
+    tempfile.tempdir = None  # tempfile caches the directory it found first: look again
     torch.set_num_threads(1)  # 2 cores and up to 4 ranks: more threads only fight
     try:
         torch.set_num_interop_threads(1)
@@ -533,7 +660,7 @@ def _run_body(config: dict):
     if backend == "nccl":  # one GPU per rank; device_id also makes NCCL connect now, not at first use
         torch.cuda.set_device(rank)
         device_id = torch.device("cuda", rank)
-    store = dist.FileStore(os.path.join(config["run_dir"], "store"), world_size)
+    store = dist.FileStore(os.path.join(config["rank_dir"], "store"), world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, device_id=device_id,
                             timeout=timedelta(seconds=config["collective_timeout"]))
     # Every rank connected before any body runs: else a fast rank could finish and exit while a slow one is
@@ -543,22 +670,95 @@ def _run_body(config: dict):
     global _body_code
     _body_code = getattr(body, "__code__", None)
     args = pickle.loads(config["args_blob"])
-    if config["memory_limit_bytes"] is not None:
-        _limit_memory(config["memory_limit_bytes"])
+    _apply_limits(config["memory_limit_bytes"], config.get("limits") or {})
     if config.get("run_as") is not None:  # last: the harness and the test module were set up as ourselves
         _drop_privileges(*config["run_as"])
     if os.environ.get("FSDP_TRACE_TASK_CALLS"):  # staff/autograder/measure_times.py: which task functions run
-        _trace_task_calls(os.environ["FSDP_TRACE_TASK_CALLS"])
+        _trace_task_calls(os.environ["FSDP_TRACE_TASK_CALLS"])  # (staff runs of the reference: guard unarmed,
+    else:                                                         # since tracing is what the guard forbids)
+        sys.audit(_ARM_EVENT)  # from here on, reaching into the harness closes the result channel
     result = body(rank, world_size, *args)
-    result = _sendable(result, "result")
-    if dist.is_initialized():  # the body may have destroyed it itself
-        try:
-            dist.barrier()  # no rank tears down its connections while a peer may still be reading from them
-        except Exception as e:
-            raise _PeerLost(f"returned, then lost its peers at the closing barrier (another rank failed?): "
-                            f"{_first_line(str(e))}") from None
-        dist.destroy_process_group()
+    result = sendable(result, "result")
+    if not dist.is_initialized():
+        raise _GroupDestroyed("returned without the default process group: the body (or code it called) "
+                              "destroyed it (dist.destroy_process_group()), so its peers' collectives with this "
+                              "rank could not finish; leave the default group to the harness")
+    try:
+        dist.barrier()  # no rank tears down its connections while a peer may still be reading from them
+    except Exception as e:
+        raise _PeerLost(f"returned, then lost its peers at the closing barrier (another rank failed?): "
+                        f"{_first_line(str(e))}") from None
+    dist.destroy_process_group()
     return result
+
+
+# ---- The guard: the result channel, out of the body's reach ------------------------------------------------
+_REPORT_EVENT = "fsdp.harness.report"
+_ARM_EVENT = "fsdp.harness.arm"
+# Audit events (PEP 578) by which Python code reaches objects it holds no reference to: the garbage collector's
+# object lists, other threads' frames, tracing (which can jump a frame to any line), ctypes (raw memory), and
+# /proc/<pid>/mem. No test body or correct task file needs them (measured on the reference: none occurs).
+_FORBIDDEN_EVENTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
+                               "sys.settrace", "sys.setprofile"})
+
+
+def _install_guard(nonce: str, conn) -> None:
+    """Move the run's secret and the result pipe into an audit hook, the one place in the process that Python
+    code cannot reach: the interpreter keeps the hook, and a hook can be neither listed nor removed.
+
+    The hook sends a message (tag + payload, the tag an HMAC-SHA256 of the payload under the nonce) only when
+    the harness's own _rank_main frame raises the report event, once. While the body runs ("armed"), an event
+    that could reach the hook's state (see _FORBIDDEN_EVENTS, ctypes, /proc/*/mem) makes it send a "forbidden"
+    message naming the event and close the pipe: that rank's run cannot pass any more. The hook uses only
+    functions bound here, never looked up when it runs, and never runs code of an object the body made (the
+    event name must be an exact str, the payload exact bytes), so it never calls back into the body with
+    the secret in reach. A body stays free to walk its own stack: no frame holds the secret."""
+    state = [nonce.encode(), os.dup(conn.fileno()), False]  # key, fd, armed
+    conn.close()
+    trusted = sys._getframe(1)  # _rank_main's frame: the only one whose report counts
+    getframe, write, close, digest, str_, bytes_ = sys._getframe, os.write, os.close, _hmac_digest, str, bytes
+    report, arm, forbidden, prefix = _REPORT_EVENT, _ARM_EVENT, _FORBIDDEN_EVENTS, _FORBIDDEN_PREFIX
+
+    def send(payload):
+        data = digest(state[0], payload, "sha256") + payload
+        data = memoryview(len(data).to_bytes(4, "big", signed=True) + data)  # multiprocessing's framing
+        while data:
+            data = data[write(state[1], data):]
+
+    def shut():
+        state[0] = None
+        try:
+            close(state[1])
+        except OSError:
+            pass
+
+    def hook(event, args):
+        if type(event) is not str_ or state[0] is None:
+            return
+        if event == report:
+            if getframe(1) is trusted and len(args) == 1 and type(args[0]) is bytes_:
+                try:
+                    send(args[0])
+                except OSError:
+                    pass
+                shut()
+            return
+        if event == arm:
+            state[2] = True
+            return
+        if not state[2]:
+            return
+        path = args[0] if event == "open" and args else None
+        if event in forbidden or event.startswith("ctypes.") or (
+                (type(path) is str_ and (path == "mem" or path.endswith("/mem")))
+                or (type(path) is bytes_ and (path == b"mem" or path.endswith(b"/mem")))):
+            try:
+                send(prefix + (event if event != "open" else "open(.../mem)").encode())
+            except OSError:
+                pass
+            shut()
+
+    sys.addaudithook(hook)
 
 
 def _trace_task_calls(path: str) -> None:
@@ -616,15 +816,42 @@ def _drop_privileges(uid: int, gid: int) -> None:
     os.environ["HOME"] = os.environ.get("TMPDIR") or tempfile.gettempdir()
 
 
-def _limit_memory(extra_bytes: int) -> None:
-    # RLIMIT_DATA, not RLIMIT_AS: since Linux 4.7 it counts private writable mappings (malloc, and the large
-    # mmaps behind tensors) but not the address space torch and glibc reserve without using, which makes
-    # RLIMIT_AS fail at random places. The limit is relative to the usage now, after torch and the process
-    # group are set up, so a test's number means "this much more", whatever torch's own footprint is.
-    with open("/proc/self/status") as f:
-        data_kb = next(int(line.split()[1]) for line in f if line.startswith("VmData:"))
-    limit = data_kb * 1024 + int(extra_bytes)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))  # hard too: the body cannot raise it again
+def _apply_limits(memory_limit_bytes: int | None, limits: dict) -> None:
+    """Hard limits (the body cannot raise them again), applied just before the body runs.
+
+    Memory, two ways. RLIMIT_DATA counts private writable mappings (malloc, the large mmaps behind tensors)
+    but not the address space torch and glibc reserve without using, so a test's number means "this much
+    more". It does not count MAP_SHARED memory (1.5 GiB passed under a 256 MiB limit), so RLIMIT_AS, which
+    counts every mapping, backs it up, with room for the reservations a rank makes as it runs (thread stacks,
+    gloo's buffers; MEMORY_AS_SLACK_BYTES, measured). Both are relative to the usage now, after torch and the
+    process group are set up. glibc's per-thread malloc arenas (64 MiB of address space each) are capped at
+    two first, so the address space a rank reserves does not grow with its thread count.
+
+    A cgroup would count everything a rank's processes use, but needs a writable cgroup file system, which
+    a Gradescope container (Docker, cgroup file system read-only, no CAP_SYS_ADMIN) does not give; rlimits work
+    in any container.
+
+    Files: RLIMIT_FSIZE bounds each file a rank writes (its output too), and SIGXFSZ is ignored so a write past
+    it fails with "File too large" (OSError) instead of killing the rank without a word. Processes:
+    RLIMIT_NPROC bounds the rank user's processes and threads (a fork bomb stops there)."""
+    if memory_limit_bytes is not None:
+        try:
+            libc = __import__("ctypes").CDLL(None)
+            libc.mallopt(-8, 2)  # M_ARENA_MAX = 2
+        except (OSError, AttributeError):
+            pass
+        with open("/proc/self/status") as f:
+            status = {line.split(":")[0]: int(line.split()[1]) for line in f if line.startswith(("VmData:",
+                                                                                                "VmSize:"))}
+        data = status["VmData"] * 1024 + int(memory_limit_bytes)
+        resource.setrlimit(resource.RLIMIT_DATA, (data, data))
+        space = status["VmSize"] * 1024 + int(memory_limit_bytes) + MEMORY_AS_SLACK_BYTES
+        resource.setrlimit(resource.RLIMIT_AS, (space, space))
+    if limits.get("fsize") is not None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize"], limits["fsize"]))
+    if limits.get("nproc") is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"], limits["nproc"]))
 
 
 class _BadResult(TypeError):
@@ -633,6 +860,10 @@ class _BadResult(TypeError):
 
 class _PeerLost(RuntimeError):
     """The body returned, but a peer never reached the end: the peer's failure is the story, not this."""
+
+
+class _GroupDestroyed(RuntimeError):
+    """The body returned, but destroyed the default process group on the way: its peers could not finish."""
 
 
 def _sendable(value, where: str):
@@ -664,8 +895,14 @@ def _sendable(value, where: str):
                      f"torch.Size, and lists, tuples and dicts of these")
 
 
+def _create_private(path: str) -> int:
+    """A new file for this rank to write: never an existing one, never through a link."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC,
+                   0o600)
+
+
 def _redirect_output(path: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = _create_private(path)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)

@@ -35,6 +35,9 @@ RANK_USER = "fsdp_student"
 TORCH_VERSION = "2.13.0"
 PYTEST_VERSION = "9.0.3"
 PYTEST_TIMEOUT_VERSION = "2.4.0"
+# torch.distributed's object collectives (broadcast_object_list, used by the checkpoint tests) need numpy at
+# run time, although torch does not depend on it: without it two tests fail with "Numpy is not available".
+NUMPY_VERSION = "2.4.6"
 
 # What the grader needs, as globs relative to the repository root.
 BUNDLE_GLOBS = (
@@ -79,7 +82,8 @@ if [ "${FSDP_AUTOGRADER_SKIP_INSTALL:-0}" != 1 ]; then
     # The CPU build of torch, from PyTorch's CPU wheel index (no CUDA libraries: the grader has no GPU).
     "$ROOT/venv/bin/python" -m pip install --no-cache-dir "torch==__TORCH__" \
         --index-url https://download.pytorch.org/whl/cpu
-    "$ROOT/venv/bin/python" -m pip install --no-cache-dir "pytest==__PYTEST__" "pytest-timeout==__PYTEST_TIMEOUT__"
+    "$ROOT/venv/bin/python" -m pip install --no-cache-dir "pytest==__PYTEST__" "pytest-timeout==__PYTEST_TIMEOUT__" \
+        "numpy==__NUMPY__"
     chmod -R a+rX "$ROOT/venv"
 fi
 
@@ -117,7 +121,7 @@ def bundle_files(root: Path = ROOT) -> list[str]:
 
 def scripts() -> dict[str, str]:
     fill = {"__RANK_USER__": RANK_USER, "__TORCH__": TORCH_VERSION, "__PYTEST__": PYTEST_VERSION,
-            "__PYTEST_TIMEOUT__": PYTEST_TIMEOUT_VERSION}
+            "__PYTEST_TIMEOUT__": PYTEST_TIMEOUT_VERSION, "__NUMPY__": NUMPY_VERSION}
     out = {}
     for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER)):
         for key, value in fill.items():
