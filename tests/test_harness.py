@@ -298,11 +298,88 @@ def _forges_a_pass(rank, world_size):
     os._exit(0)
 
 
+def _forges_by_stack_walk(rank, world_size):
+    # The forgery that scored a stub submission 8.02: walk up to the harness's rank main, take the run's nonce
+    # and the result connection from its locals, send a well-formed "ok", and leave. Today no frame holds them,
+    # so this body also tries every string that looks like a nonce and every descriptor it has.
+    import hashlib
+    import hmac as hmac_
+    import struct
+    import sys as sys_
+    candidates, conns = set(), []
+    frame = sys_._getframe()
+    while frame is not None:
+        for value in list(frame.f_locals.values()):
+            values = list(value.values()) if isinstance(value, dict) else [value]
+            for v in values:
+                if isinstance(v, str) and len(v) == 32:
+                    candidates.add(v)
+                if hasattr(v, "send_bytes"):
+                    conns.append(v)
+        frame = frame.f_back
+    buf = io.BytesIO()
+    torch.save({"status": "ok", "result": rank}, buf)
+    payload = buf.getvalue()
+    messages = []
+    for nonce in candidates:
+        old = io.BytesIO()
+        torch.save({"nonce": nonce, "status": "ok", "result": rank}, old)
+        messages += [old.getvalue(), hmac_.new(nonce.encode(), payload, hashlib.sha256).digest() + payload]
+    for conn in conns:
+        for m in messages:
+            try:
+                conn.send_bytes(m)
+            except OSError:
+                pass
+    for fd in range(3, 256) if not conns else ():  # else every descriptor, in multiprocessing's framing
+        for m in messages or [b"\0" * 32 + payload]:
+            try:
+                os.write(fd, struct.pack("!i", len(m)) + m)
+            except OSError:
+                break
+    os._exit(0)
+
+
+def _forges_through_the_report_event(rank, world_size):
+    # The guard's own way out, called from the body's frame instead of the harness's.
+    import sys as sys_
+    buf = io.BytesIO()
+    torch.save({"status": "ok", "result": rank}, buf)
+    sys_.audit("fsdp.harness.report", buf.getvalue())
+    os._exit(0)
+
+
 def test_a_forged_result_without_the_nonce_fails():
     with pytest.raises(RankFailure) as info:
         run_ranks(_forges_a_pass, 2)
-    assert info.value.kind == "bad-message"
-    assert "not a valid result for this run" in str(info.value)
+    assert info.value.kind == "forbidden"
+    assert "used gc.get_objects" in str(info.value) and "cannot pass" in str(info.value)
+
+
+@pytest.mark.parametrize("body", [_forges_by_stack_walk, _forges_through_the_report_event])
+def test_a_pass_cannot_be_forged_from_the_body(body):
+    with pytest.raises(RankFailure) as info:
+        run_ranks(body, 2)
+    assert info.value.kind in ("exited", "bad-message"), str(info.value)
+    assert "rank 0 of 2" in str(info.value) or "rank 1 of 2" in str(info.value)
+
+
+def _walks_its_own_stack_and_formats_tracebacks(rank, world_size):
+    # What correct code may do while a body runs: inspect its own stack, log, format a traceback.
+    import inspect
+    import logging
+    import traceback as tb
+    logging.getLogger("fsdp-test").warning("rank %d logs", rank)
+    try:
+        raise ValueError("caught")
+    except ValueError:
+        text = tb.format_exc()
+    return [len(inspect.stack()) > 0, "caught" in text, inspect.currentframe().f_code.co_name]
+
+
+def test_stack_walks_and_tracebacks_stay_allowed():
+    for got in run_ranks(_walks_its_own_stack_and_formats_tracebacks, 2):
+        assert got == [True, True, "_walks_its_own_stack_and_formats_tracebacks"]
 
 
 class _Exploit:
@@ -327,3 +404,111 @@ def test_memory_bomb_is_stopped_by_the_limit():
         run_ranks(_memory_bomb, 1, memory_limit_bytes=300_000_000)
     message = str(info.value)
     assert "out of memory" in message and "memory limit: 300000000 bytes" in message
+
+
+def _shared_memory_bomb(rank, world_size):
+    import mmap
+    hoard = []
+    while True:  # MAP_SHARED | MAP_ANONYMOUS, touched: RLIMIT_DATA does not count it
+        m = mmap.mmap(-1, 100 << 20, flags=mmap.MAP_SHARED)
+        m.write(b"x" * (100 << 20))
+        hoard.append(m)
+
+
+def test_shared_memory_counts_against_the_limit():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_shared_memory_bomb, 1, memory_limit_bytes=100_000_000)
+    message = str(info.value)
+    assert "rank 0 of 1 raised" in message and "out of memory" in message, message
+
+
+# ---- Files -------------------------------------------------------------------------------------------------------
+def _writes_a_big_file(rank, world_size):
+    import tempfile
+    with tempfile.NamedTemporaryFile() as f:  # in the rank's own TMPDIR
+        f.write(b"x" * (8 << 20))
+        f.flush()
+    return rank
+
+
+def test_file_size_limit(monkeypatch):
+    monkeypatch.setenv("FSDP_RANK_FILE_LIMIT_BYTES", str(4 << 20))
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_writes_a_big_file, 1)
+    assert "File too large" in str(info.value) and "file size limit" in str(info.value), str(info.value)
+    monkeypatch.setenv("FSDP_RANK_FILE_LIMIT_BYTES", str(16 << 20))
+    assert run_ranks(_writes_a_big_file, 1) == [0]
+
+
+def _tmp_of_the_body(rank, world_size):
+    import tempfile
+    path = tempfile.mkdtemp()
+    Path(path, "left-behind").write_text("x")
+    return path
+
+
+def test_the_body_gets_a_temporary_directory_of_its_own_that_goes_with_the_run():
+    paths = run_ranks(_tmp_of_the_body, 2)
+    import tempfile
+    for path in paths:
+        assert not path.startswith(tempfile.gettempdir() + os.sep + "tmp"), path
+        assert "fsdp-ranks-" in path and not os.path.exists(path), path
+
+
+def _replaces_its_output(rank, world_size, how, target):
+    print("before the swap")
+    out = os.readlink("/proc/self/fd/1")
+    os.unlink(out)
+    if how == "fifo":
+        os.mkfifo(out)
+    else:
+        os.symlink(target, out)
+    raise RuntimeError(f"rank {rank} swapped its output for a {how}")
+
+
+@pytest.mark.parametrize("how", ["fifo", "symlink"])
+def test_an_output_file_swapped_for_a_fifo_or_a_link_is_not_read(how, tmp_path):
+    secret = tmp_path / "hidden_test.py"
+    secret.write_text("SECRET_CONSTANT = 'do not print me'\n")
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_replaces_its_output, 1, how, str(secret), timeout=30)
+    message = str(info.value)
+    assert time.monotonic() - start < 25, "the grader waited on the FIFO"
+    assert "do not print me" not in message
+    assert "rank 0 of 1 raised RuntimeError: rank 0 swapped its output" in message
+    assert "not shown, its output file is no longer a regular file" in message
+
+
+# ---- Messages that name the rank that caused the failure ----------------------------------------------------------
+def _rank1_stops_itself(rank, world_size):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(2))
+    return rank
+
+
+def test_a_stopped_rank_is_named_with_its_stacks():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_rank1_stops_itself, 2, timeout=30, collective_timeout=20)
+    message = str(info.value)
+    assert info.value.kind == "stopped" and info.value.rank == 1, message
+    assert message.startswith("rank 1 of 2 was stopped (SIGSTOP"), message
+    assert "in _rank1_stops_itself" in message, "the stopped rank's stack must be shown"
+
+
+def _rank0_destroys_the_group(rank, world_size):
+    if rank == 0:
+        dist.destroy_process_group()
+        return rank
+    time.sleep(0.2)
+    dist.all_reduce(torch.ones(2))
+    return rank
+
+
+def test_a_rank_that_destroyed_the_process_group_is_named():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_rank0_destroys_the_group, 2, timeout=30, collective_timeout=5)
+    message = str(info.value)
+    assert info.value.kind == "group-destroyed" and info.value.rank == 0, message
+    assert message.startswith("rank 0 of 2 returned without the default process group"), message
