@@ -38,6 +38,10 @@ TREE = HERE.parents[1]  # the tree this script belongs to: <tree>/staff/autograd
 DEFAULT_RANK_USER = "fsdp_student"
 DEFAULT_TIMEOUT_S = 540  # a minute under the smallest Gradescope limit (10 min); raise it with the limit
 DEFAULT_RANK_MEMORY_MB = 256  # the reference passes everything with 128 (measured): 2x headroom
+# Each file a rank writes (its output included) stays under this (RLIMIT_FSIZE; the tests write none of their own),
+# and the rank user's files in /tmp, /var/tmp and /dev/shm are removed after every test: no quota is needed.
+RANK_FILE_LIMIT_BYTES = 256 << 20
+RANK_MAX_PROCESSES = 512  # RLIMIT_NPROC of the rank user: processes and threads (4 ranks use about 60)
 MAX_SUBMITTED_FILE_BYTES = 1 << 20
 TEST_DIRS = ("tests/public", "tests/hidden")
 
@@ -202,7 +206,8 @@ def grading_env(tree: Path, rank_user: str | None, memory_mb: int, timeout_cap: 
     env = {k: v for k, v in os.environ.items() if k in keep or k.startswith("FSDP_ZOO_")}
     env.update(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", FSDP_IMPL="student", PYTHONDONTWRITEBYTECODE="1",
                PYTHONPATH=str(tree), PYTHONNOUSERSITE="1",
-               FSDP_RANK_MEMORY_LIMIT_BYTES=str(int(memory_mb) << 20))
+               FSDP_RANK_MEMORY_LIMIT_BYTES=str(int(memory_mb) << 20),
+               FSDP_RANK_FILE_LIMIT_BYTES=str(RANK_FILE_LIMIT_BYTES), FSDP_RANK_MAX_PROCESSES=str(RANK_MAX_PROCESSES))
     if rank_user:
         env["FSDP_RANK_USER"] = rank_user
     if timeout_cap:
@@ -273,13 +278,20 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
     env = grading_env(tree, user, memory_mb, timeout_cap)
     start = time.monotonic()
     code, tail = run_pytest(cmd, tree, env, timeout)
-    if user:  # anything of the rank user's still alive (escaped its session?) goes now
+    if user:  # anything of the rank user's still alive (escaped its session?) or left in /tmp goes now
         import pwd
         sys.path.insert(0, str(HERE))
-        from grading_plugin import reap_user_processes
-        killed = reap_user_processes(pwd.getpwnam(user).pw_uid)
+        from grading_plugin import reap_user_processes, remove_user_files
+        uid = pwd.getpwnam(user).pw_uid
+        killed = reap_user_processes(uid)
         if killed:
             print(f"grade: killed {killed} leftover process(es) of user {user!r}", flush=True)
+        removed = remove_user_files(uid)
+        if removed:
+            print(f"grade: removed {removed} leftover file(s) of user {user!r}", flush=True)
+    else:
+        print("grade: ranks run as the grading user, so a process that left its session or a file outside the "
+              "rank's own folder cannot be told from the grader's: neither is cleaned up after the run", flush=True)
     ensure_results(results, tail, code)
     print(f"grade: pytest exit code {code}, {time.monotonic() - start:.1f} s; results in {results}", flush=True)
     return 0

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.serialization  # noqa: F401  (torch.save imports it lazily)
 
-from tests.harness import run_ranks
+from tests.harness import RankFailure, run_ranks
 
 pytestmark = pytest.mark.staff
 
@@ -84,3 +84,129 @@ def test_leftover_processes_of_the_rank_user_are_reaped():
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+_FORK_STORM = """
+import os, sys, time
+beat = sys.argv[1]
+if os.fork():
+    os._exit(0)
+while True:  # a new process every 2 ms, each parent gone at once: no pid lives long enough to be listed and killed
+    try:
+        if os.fork():
+            os._exit(0)
+    except OSError:  # out of processes for the moment (zombies count until reaped): try again
+        pass
+    with open(beat, "w") as f:  # the heartbeat: the pid of the current generation
+        f.write(str(os.getpid()))
+    time.sleep(0.002)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_a_fork_and_exit_storm_of_the_rank_user_is_reaped():
+    """The final reap: kill(-1, SIGKILL) sent as the rank user, which no fork can outrun (see
+    grading_plugin.reap_user_processes). A listing of the user's processes cannot even see such a storm
+    reliably, so the storm writes a heartbeat file: after the reap it must stop changing."""
+    import pwd
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
+    from grading_plugin import kill_everything_of, processes_of, reap_user_processes
+    entry = pwd.getpwnam("nobody")
+    if processes_of(entry.pw_uid):
+        pytest.skip("processes of 'nobody' already run on this machine; not killing them")
+    import shutil
+    import tempfile
+    where = Path(tempfile.mkdtemp(prefix="fsdp-storm-"))  # (pytest's tmp_path is behind a 0700 folder)
+    os.chmod(where, 0o777)
+    beat = where / "beat"
+    python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+    starter = subprocess.Popen([python, "-c", _FORK_STORM, str(beat)], user=entry.pw_uid, group=entry.pw_gid,
+                               extra_groups=[], start_new_session=True, cwd="/", stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"})  # no PYTHON* of ours
+    starter.wait(timeout=30)
+
+    def heartbeat() -> str:
+        try:
+            return beat.read_text()
+        except OSError:
+            return ""
+    try:
+        deadline = time.monotonic() + 20
+        first = ""
+        while time.monotonic() < deadline and not first:
+            first = heartbeat()
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert first and heartbeat() != first, "the storm did not start (can 'nobody' run Python here?)"
+        reap_user_processes(entry.pw_uid)  # (how many it saw depends on timing: a storm hides from listings)
+        time.sleep(0.1)
+        last = heartbeat()
+        time.sleep(0.5)
+        assert heartbeat() == last, "the storm outlived the reap"
+        assert processes_of(entry.pw_uid) == []
+    finally:
+        for _ in range(3):
+            kill_everything_of(entry.pw_uid)
+        shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_the_rank_users_files_in_shared_temporary_folders_are_removed():
+    import pwd
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
+    from grading_plugin import remove_user_files
+    entry = pwd.getpwnam("nobody")
+    place = Path(tempfile.mkdtemp(prefix="fsdp-shared-"))  # a stand-in for /tmp (pytest's tmp_path is 0700)
+    os.chmod(place, 0o1777)
+    try:
+        _leave_files_and_remove_them(entry, place, remove_user_files)
+    finally:
+        shutil.rmtree(place, ignore_errors=True)
+
+
+def _leave_files_and_remove_them(entry, place, remove_user_files):
+    import subprocess
+    import sys
+    ours = place / "graders-file"
+    ours.write_text("root's")
+    script = (f"import os; os.makedirs({str(place / 'leak')!r}); "
+              f"open({str(place / 'leak' / 'hidden-constants.txt')!r}, 'w').write('x' * 1000); "
+              f"open({str(place / 'top.txt')!r}, 'w').write('y'); "
+              f"os.symlink({str(ours)!r}, {str(place / 'link')!r})")
+    python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+    subprocess.run([python, "-c", script], user=entry.pw_uid, group=entry.pw_gid, extra_groups=[], check=True,
+                   cwd="/", env={"PATH": "/usr/bin:/bin"})
+    assert remove_user_files(entry.pw_uid, (str(place),)) == 3
+    assert sorted(p.name for p in place.iterdir()) == ["graders-file"] and ours.read_text() == "root's"
+
+
+def _tries_to_swap_its_output(rank, world_size, secret):
+    out = os.readlink("/proc/self/fd/1")
+    try:
+        os.unlink(out)
+        os.symlink(secret, out)
+        swapped = True
+    except OSError:
+        swapped = False
+    print(f"swapped={swapped}")
+    raise RuntimeError(f"rank {rank} swapped={swapped}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the grader's situation on Gradescope)")
+def test_the_rank_user_cannot_swap_the_files_the_grader_reads_back(monkeypatch, tmp_path):
+    secret = tmp_path / "hidden.py"
+    secret.write_text("HIDDEN = 'never in a visible message'\n")
+    monkeypatch.setenv("FSDP_RANK_USER", "nobody")
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_tries_to_swap_its_output, 1, str(secret))
+    message = str(info.value)
+    assert "rank 0 of 1 raised RuntimeError: rank 0 swapped=False" in message, message
+    assert "never in a visible message" not in message
