@@ -129,7 +129,75 @@ CASES: list[Case] = [
          edits=(_insert(7, "    if isinstance(module, FSDPModule):\n",
                         "    import subprocess\n    subprocess.Popen(['sleep', '600'], start_new_session=True)\n"),),
          select=f"{SIBLING}", fine=(SIBLING,), needs_rank_user=True),
+    # Issue 14: forged passes, leaks of hidden tests, isolation, messages.
+    Case("forged_pass", "walks the stack to the harness's rank main, takes the nonce and the result connection, "
+         "sends 'ok' with a result of its own and leaves (the forgery that scored a stub 8.02)",
+         edits=(_insert(3, UNSHARD_START, "    _zoo_forge_pass()\n"),),
+         select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
+         message=r"rank \d of 2 (exited with code 0 without reporting a result|sent a message that is not a valid)"),
+    Case("output_link", "replaces its own output file with a link to a hidden test module, then fails",
+         edits=(_insert(3, UNSHARD_START, "    _zoo_swap_output('link')\n"),),
+         select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
+         message=r"rank \d of 2 raised RuntimeError: zoo: swapped its output for a link"),
+    Case("output_fifo", "replaces its own output file with a FIFO, then fails (the grader must not wait on it)",
+         edits=(_insert(3, UNSHARD_START, "    _zoo_swap_output('fifo')\n"),),
+         select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
+         message=r"rank \d of 2 raised RuntimeError: zoo: swapped its output for a fifo"),
+    Case("stopped", "rank 1 stops itself with SIGSTOP (its peer waits for it in a collective)",
+         edits=(_insert(3, UNSHARD_START, "    if dist.get_rank() == 1:\n        import os, signal\n"
+                                          "        os.kill(os.getpid(), signal.SIGSTOP)\n"),),
+         select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
+         message=r"^(?s:.*?)rank 1 of 2 was stopped \(SIGSTOP(?s:.*)in unshard"),
+    Case("shared_memory_bomb", "allocates shared memory (MAP_SHARED) without bound: RLIMIT_DATA does not count it",
+         edits=(_insert(5, "    grads = [fp.shard.grad for _, fp in named_flat_params(module)",
+                        "    import mmap\n    _zoo = []\n    while True:  # 64 MiB of shared memory at a time\n"
+                        "        _zoo.append(mmap.mmap(-1, 64 << 20, flags=mmap.MAP_SHARED))\n"
+                        "        _zoo[-1].write(b'x' * (64 << 20))\n"),),
+         select=f"{CLIP} or {TIED_2}", broken=(CLIP,), fine=(TIED_2,), memory_mb=256,
+         message=r"rank \d of \d+ raised (OSError|MemoryError)(?s:.*)out of memory"),
 ]
+
+ISSUE14_HELPERS = '''
+
+def _zoo_forge_pass():
+    """Zoo: the forgery of issue 14, item 3."""
+    import io as _io, os as _os, sys as _sys
+    frame = _sys._getframe()
+    nonce = conn = None
+    while frame is not None:
+        config = frame.f_locals.get("config")
+        if isinstance(config, dict) and "nonce" in config:
+            nonce = config["nonce"]
+        if hasattr(frame.f_locals.get("conn"), "send_bytes"):
+            conn = frame.f_locals["conn"]
+        frame = frame.f_back
+    if conn is not None:
+        buf = _io.BytesIO()
+        torch.save({"nonce": nonce, "status": "ok", "result": None}, buf)
+        try:
+            conn.send_bytes(buf.getvalue())
+        except OSError:
+            pass
+    _os._exit(0)
+
+
+def _zoo_swap_output(how):
+    """Zoo: point this rank's output at a hidden test module (or make it a FIFO), then fail, so that the grader
+    reads the output back into a visible message."""
+    import os as _os
+    hidden = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "..", "tests", "hidden",
+                           "test_task7_hidden.py")
+    out = _os.readlink("/proc/self/fd/1")
+    try:
+        _os.unlink(out)
+        if how == "fifo":
+            _os.mkfifo(out)
+        else:
+            _os.symlink(_os.path.normpath(hidden), out)
+    except OSError as err:
+        print(f"zoo: could not swap the output: {err}")
+    raise RuntimeError(f"zoo: swapped its output for a {how}")
+'''
 
 FORGE = '''
 
@@ -156,7 +224,20 @@ def case_files(case: Case, root: Path = ROOT) -> dict[str, str]:
     if case.forged_results:
         rel = f"fsdp_assignment/{mutations.TASK_FILES[4]}"
         files[rel] += FORGE
+    if any("_zoo_forge_pass()" in new or "_zoo_swap_output(" in new for _, _, new in case.edits):
+        rel = f"fsdp_assignment/{mutations.TASK_FILES[3]}"
+        files[rel] += ISSUE14_HELPERS
     return files
+
+
+def hidden_lines(root: Path = ROOT) -> set[str]:
+    """The hidden tests' own lines (40+ characters, stripped): none may appear in a visible test's output."""
+    def lines_of(paths) -> set[str]:
+        return {line.strip() for path in paths for line in path.read_text(encoding="utf-8").splitlines()
+                if len(line.strip()) >= 40}
+    public = lines_of([p for p in (root / "tests").rglob("*.py") if "hidden" not in p.parts]
+                      + list((root / "fsdp_assignment").rglob("*.py")))
+    return lines_of((root / "tests" / "hidden").glob("test_*.py")) - public
 
 
 # ---- hanging submissions graded in full: a hang costs only the tests that reach it (issue 8) ---------------
@@ -342,6 +423,12 @@ def run_case(case: Case, workdir: Path, *, rank_user: str = "none", root: Path =
         out.problems.append("results.json lists no tests")
     if data.get("output") == "forged" or any("forged" in t.get("output", "") for t in tests):
         out.problems.append("the forged results.json survived")
+    secret = hidden_lines(root)
+    for t in tests:
+        if t.get("visibility") == "visible":
+            leaked = [line for line in t["output"].splitlines() if line.strip() in secret]
+            if leaked:
+                out.problems.append(f"{t['name']} (visible) quotes hidden test code: {leaked[:3]}")
     for pattern in case.broken:
         hit = [t for t in tests if pattern in t["name"]]
         if not hit:
