@@ -219,3 +219,65 @@ def test_schema_checker_catches_mistakes():
     problems = "\n".join(results_schema.validate(bad))
     for word in ("status", "visibility", "outside", "number", "surprise"):
         assert word in problems
+
+
+ORDERED_PUBLIC = '''
+import os
+import pytest
+
+
+def _log(name):
+    with open(os.environ["ORDER_LOG"], "a") as f:
+        f.write(name + "\\n")
+
+
+@pytest.mark.task1
+def test_public_one():
+    _log("public")
+
+
+@pytest.mark.task2
+def test_public_two():
+    _log("public")
+
+
+@pytest.mark.task1
+def test_check_breaks_on_the_results():
+    _log("public")
+    results = [{"events": [1, 2]}, {"events": [1]}]  # rank 1 sent one event too few
+    for rank, got in enumerate(results):
+        assert got["events"][1] == 2, f"rank {rank}: wrong second event"
+'''
+
+ORDERED_HIDDEN = '''
+import os
+import pytest
+
+from tests.public.test_public import _log
+
+
+@pytest.mark.task1
+def test_hidden_one():
+    _log("hidden")
+
+
+@pytest.mark.task2
+def test_hidden_two():
+    _log("hidden")
+'''
+
+
+def test_every_public_test_runs_before_any_hidden_one_and_broken_checks_name_the_rank(tree):
+    """Hidden tests last (whatever a hidden test's ranks might leave behind, no visible test runs after it); and a
+    test whose own check breaks on a rank's results (IndexError, not an assertion) says whose and where."""
+    (tree / "tests" / "__init__.py").write_text("")
+    (tree / "tests" / "public" / "__init__.py").write_text("")
+    (tree / "tests" / "public" / "test_public.py").write_text(ORDERED_PUBLIC)
+    (tree / "tests" / "hidden" / "test_hidden.py").write_text(ORDERED_HIDDEN)
+    log = tree / "order.log"
+    data = _run(tree, ORDER_LOG=str(log))
+    order = log.read_text().split()
+    assert order == ["public"] * 3 + ["hidden"] * 2, order
+    out = _by_name(data)["test_check_breaks_on_the_results"]["output"]
+    assert "The test's check of rank 1's results raised IndexError: list index out of range" in out, out
+    assert 'at: assert got["events"][1] == 2' in out, out
