@@ -10,7 +10,10 @@ Slow (a pip install and a whole grading run: about 4 min quiet, 7 min at load 10
 2026-11-22): marked ``slow``, CI runs it, ``-m "not slow"`` leaves it out. pip uses the machine's own
 configuration (a local wheel mirror where there is one); PIP_RETRIES=0 so an unreachable index fails over at
 once instead of retrying for minutes. setup.sh creates no user here (FSDP_AUTOGRADER_NO_USERADD=1: not on a
-staff machine); the ranks run as whatever user run_autograder can use, which the output says.
+staff machine), so the ranks run as ``nobody`` in its place (``--rank-user nobody``): as on Gradescope, every
+rank body runs unprivileged, and the grader reaps that user's processes and files after each test (so run it
+where nothing else runs as ``nobody``). PATH is the system's, so that setup.sh builds its virtualenv from a Python
+that user can read (a pyenv under /root cannot be); if it cannot, ranks run as root and the output says so.
 """
 
 from __future__ import annotations
@@ -45,10 +48,11 @@ def _total_points() -> float:
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    """The environment of a fresh image: none of this machine's Python, pytest or grading settings."""
+    """The environment of a fresh image: none of this machine's Python, pytest or grading settings, and the
+    system's PATH (a fresh image has no pyenv or conda in front)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FSDP_", "PYTEST_", "PYTHON", "VIRTUAL_ENV", "CONDA"))}
-    env.update(extra)
+           if not k.startswith(("FSDP_", "PYTEST_", "PYTHON", "VIRTUAL_ENV", "CONDA", "PYENV"))}
+    env.update(PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", **extra)
     return env
 
 
@@ -87,7 +91,8 @@ def test_reference_scores_full_marks_on_the_setup_sh_image():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
         start = time.monotonic()
-        grade = subprocess.run([str(root / "run_autograder")], cwd=root, capture_output=True, text=True,
+        rank_user = ["--rank-user", "nobody"] if os.geteuid() == 0 else []
+        grade = subprocess.run([str(root / "run_autograder"), *rank_user], cwd=root, capture_output=True, text=True,
                                timeout=1500, env=_clean_env(AUTOGRADER_ROOT=str(root)))
         grade_s = time.monotonic() - start
         results = root / "results" / "results.json"
