@@ -7,8 +7,9 @@ step really moves, counted, against the ZeRO-3 formulas.
     torchrun --nproc-per-node=8 benchmarks/bench_comm.py     # NCCL on a GPU box
 
 Part 1, collectives. For each size (the full, unsharded tensor: the all-gather output, the reduce-scatter input)
-the ranks run ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` back to back after a warm-up; the time
-is the slowest rank's mean. Bandwidths follow nccl-tests:
+the ranks run ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` back to back after a warm-up, in 5
+repeats; a repeat's time is the slowest rank's mean over its batch of calls, and the table gives the median with
+the spread (min-max, n). Bandwidths (from the median) follow nccl-tests:
 
     algbw = size / time
     busbw = algbw * (W-1)/W     (each rank sends and receives (W-1)/W of the tensor in a ring; busbw is the
@@ -81,8 +82,9 @@ def human(n: int) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # In each rank
 # ---------------------------------------------------------------------------------------------------------
-def time_collective(kind: str, size: int, ctx: launch.RankContext, budget_s: float) -> float:
-    """Mean seconds per collective, the slowest rank's. ``size`` bytes of fp32, a multiple of 4*W."""
+def time_collective(kind: str, size: int, ctx: launch.RankContext, budget_s: float, repeats: int = 5) -> list[float]:
+    """Seconds per collective, ``repeats`` times (each the mean over a batch of calls, the slowest rank's), so
+    the table can give the median and the spread. ``size`` bytes of fp32, a multiple of 4*W."""
     w = ctx.world_size
     numel = size // 4
     full = torch.ones(numel, device=ctx.device)
@@ -102,15 +104,18 @@ def time_collective(kind: str, size: int, ctx: launch.RankContext, budget_s: flo
     # every rank must run the same number of iterations: agree on the slowest rank's estimate
     est = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(est, op=dist.ReduceOp.MAX)
-    iters = int(max(3, min(200, budget_s / max(est.item(), 1e-6))))
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        once()
-    measure.sync(ctx.device)
-    mean = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(mean, op=dist.ReduceOp.MAX)
-    return mean.item()
+    iters = int(max(1, min(40, budget_s / repeats / max(est.item(), 1e-6))))
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            once()
+        measure.sync(ctx.device)
+        mean = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+        times.append(mean.item())
+    return times
 
 
 def worker(ctx: launch.RankContext, payload: dict) -> dict:
@@ -120,8 +125,9 @@ def worker(ctx: launch.RankContext, payload: dict) -> dict:
         for kind in ("all_gather", "reduce_scatter"):
             for size in payload["sizes"]:
                 size -= size % (4 * ctx.world_size)
-                t = time_collective(kind, size, ctx, payload["budget_s"])
-                out["collectives"].append({"kind": kind, "size": size, "seconds": t})
+                ts = time_collective(kind, size, ctx, payload["budget_s"])
+                out["collectives"].append({"kind": kind, "size": size, "seconds": report.median(ts),
+                                           "seconds_repeats": ts})
             ctx.log(f"{kind}: {len(payload['sizes'])} sizes done")
     cfg = trainers.model_config(payload)
     for name in payload["strategies"]:
@@ -185,7 +191,8 @@ def main(argv=None) -> dict:
         for r in res["collectives"]:
             alg = r["size"] / r["seconds"] / 1e9
             bus = alg * (w - 1) / w
-            coll_rows.append([r["kind"].replace("_", "-"), w, interconnect, human(r["size"]), r["seconds"] * 1e6, alg, bus])
+            coll_rows.append([r["kind"].replace("_", "-"), w, interconnect, human(r["size"]),
+                              report.spread(r.get("seconds_repeats", [r["seconds"]]), 1e6), alg, bus])
             coll_records.append({**r, "world_size": w, "algbw_gbps": alg, "busbw_gbps": bus, "interconnect": interconnect})
         for name, summary in res["steps"].items():
             if "skipped" in summary:
@@ -205,7 +212,8 @@ def main(argv=None) -> dict:
                                  "formula": f"{k}*psi*(W-1)/W", "formula_bytes": formula * report.MiB,
                                  "ratio": total / formula, "psi_params": psi, "note": note})
 
-    md = (f"Collectives: {interconnect}; time = slowest rank's mean; busbw = size/time x (W-1)/W.\n\n"
+    md = (f"Collectives: {interconnect}; time us = median (min-max, n) of repeats, each the slowest rank's mean "
+          f"over a batch of calls; algbw and busbw from the median; busbw = size/time x (W-1)/W.\n\n"
           + report.markdown_table(HEADERS_COLL, coll_rows)
           + f"\nBytes per training step (bus bytes per rank, counted), GPT Ψ = {psi:,} params x 4 B = "
           f"{psi * 4 / report.MiB:.2f} MiB:\n\n" + report.markdown_table(HEADERS_STEP, step_rows)

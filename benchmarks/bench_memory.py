@@ -195,7 +195,8 @@ def main(argv=None) -> dict:
         bd = worst["breakdown_at_peak"]
         cats = {c: bd.get(c, 0) for c in CATEGORIES}
         cats["activations"] += sum(v for k, v in bd.items() if k not in CATEGORIES)  # "other": a few bytes
-        rows.append([name, w, worst["peak_bytes"] / report.MiB, model["peak_bytes"] / report.MiB, f"{err:+.1%}",
+        rows.append([name, w, report.spread(worst["peak_bytes_all_steps"], 1 / report.MiB),
+                     model["peak_bytes"] / report.MiB, f"{err:+.1%}",
                      None if vs_one is None else f"{vs_one:.3f}x"] + [cats[c] / report.MiB for c in CATEGORIES])
         records.append({"strategy": name, "world_size": w, "peak_bytes": worst["peak_bytes"],
                         "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank], "model": model,
@@ -205,7 +206,8 @@ def main(argv=None) -> dict:
 
     md = (f"GPT {trainers.param_count(cfg) / 1e6:.2f}M params (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
           f"vocab={cfg.vocab_size}), batch {args.batch}x{args.block_size} tokens per rank, fp32, AdamW; "
-          f"per-rank peak of one step (worst rank), {records[0]['tracker'] if records else ''}.\n"
+          f"per-rank peak of one step (worst rank), {records[0]['tracker'] if records else ''}: median (min-max, "
+          f"n = measured steps) of the worst rank's steps; the breakdown is of its median step.\n"
           f"Model: max(12·S + A + 4·(U_p + U_g), 16·S + 4·U_end) (see bench_memory.py), S = this rank's parameter count, "
           f"A = {activations / report.MiB:.2f} MiB (one-process forward).\n\n")
     md += report.markdown_table(HEADERS, rows) + ("\n" + "\n".join(skipped) + "\n" if skipped else "")

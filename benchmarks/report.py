@@ -98,12 +98,16 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def spread(xs: list[float], scale: float = 1.0, fmt: str = ".3g") -> str:
+def spread(xs: list[float], scale: float = 1.0) -> str:
     """'median (min-max, n=K)' of repeated measurements, each multiplied by ``scale``: the table cell for a
     number that was measured more than once, so a reader sees how much it moved."""
     if not xs:
         return "n/a"
     v = [x * scale for x in xs]
+
+    def f(x: float) -> str:
+        return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+
     if len(v) == 1:
-        return f"{v[0]:{fmt}} (n=1)"
-    return f"{statistics.median(v):{fmt}} ({min(v):{fmt}}-{max(v):{fmt}}, n={len(v)})"
+        return f"{f(v[0])} (n=1)"
+    return f"{f(statistics.median(v))} ({f(min(v))}-{f(max(v))}, n={len(v)})"
