@@ -1,0 +1,304 @@
+"""Counted, late-finishing collectives for the tests (rank-side test code, not a task).
+
+    from tests.public.collectives import use_counted_collectives
+
+    def _body(rank, world_size):
+        log = use_counted_collectives(late=True)   # every rank, first thing in the body
+        ...adapters.fully_shard(...)...             # the code under test uses torch.distributed as usual
+        before = log.mark()
+        loss.backward()
+        return log.since(before)                    # what backward communicated, call by call
+
+``use_counted_collectives`` replaces the default process group by a Python ``ProcessGroup`` that wraps a
+real gloo group of the same ranks. Every collective issued on it, however the code calls it
+(``dist.all_gather_into_tensor`` or ``dist.all_gather_single``, imported by name or looked up at call time, on
+the default group or on a group made with ``dist.new_group``), is recorded: its kind, the number of elements
+and dtype of the tensor it moves per rank, and whether the caller asked for ``async_op``. Tests count these
+records; they never depend on how an implementation is written.
+
+With ``late=True`` the collectives also finish *late*, the way they do on a GPU: the caller's output (for
+all-reduce, the in-place tensor) holds NaN until the work handle's ``wait()`` is called (or
+``get_future()`` / ``is_completed()``), and only then receives the result. gloo on a CPU usually finishes
+a collective before the caller looks at the output, so code that uses an asynchronous result without
+waiting for its handle passes by luck there; here it computes with NaN and the test's numbers are wrong.
+A synchronous call (``async_op=False``) is waited on by torch.distributed itself, so it is unaffected.
+
+Only gloo is wrapped (the autograder's backend). Under NCCL the default group is left alone and
+``use_counted_collectives`` returns None: tests then skip their counting checks.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
+
+BACKEND_NAME = "fsdp_test_counted"
+
+# The kinds a record may have. "Communication" in the tests' sense is all of them but "barrier".
+GATHERS = ("all_gather", "all_gather_list")
+REDUCTIONS = ("reduce_scatter", "reduce_scatter_list", "all_reduce", "reduce")
+
+
+@dataclass(frozen=True)
+class Call:
+    kind: str        # all_gather, reduce_scatter, all_reduce, broadcast, all_gather_list, barrier, ...
+    numel: int       # elements of the tensor each rank contributes (all-gather: its input; reduce: its input)
+    dtype: str       # that tensor's dtype, e.g. "torch.float32"
+    async_op: bool   # did the caller ask for an asynchronous handle?
+
+
+class CallLog:
+    """The records of one rank, in issue order. ``mark()``/``since(mark)`` cut out a window."""
+
+    def __init__(self):
+        self.calls: list[Call] = []
+        self._lock = threading.Lock()
+
+    def add(self, call: Call) -> None:
+        with self._lock:
+            self.calls.append(call)
+
+    def mark(self) -> int:
+        return len(self.calls)
+
+    def since(self, mark: int = 0) -> list[dict]:
+        """The records from ``mark`` on, as plain dicts (they travel back to the test)."""
+        return [dict(kind=c.kind, numel=c.numel, dtype=c.dtype, async_op=c.async_op) for c in self.calls[mark:]]
+
+
+class _LateWork(dist._Work):
+    """The handle of a collective whose result reaches the caller's tensors only when it is waited on."""
+
+    def __init__(self, inner, finish):
+        super().__init__()
+        self._inner, self._finish, self._done = inner, finish, False
+        self._lock = threading.Lock()
+
+    def _complete(self) -> None:
+        with self._lock:
+            if not self._done:
+                self._inner.wait()
+                with _disable_current_modes(), torch.no_grad():
+                    self._finish()
+                self._done = True
+
+    def wait(self, timeout=None) -> bool:
+        self._complete()
+        return True
+
+    def is_completed(self) -> bool:
+        self._complete()
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def synchronize(self) -> None:
+        self._complete()
+
+    def get_future(self):
+        self._complete()
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+class CountedProcessGroup(dist.ProcessGroup):
+    """A Python process group over a real gloo group: records every call; with ``late``, delays results."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, log: CallLog, late: bool):
+        super().__init__(rank, size)
+        self.inner = dist.ProcessGroupGloo(dist.PrefixStore("counted-inner", store), rank, size, timeout)
+        self.log, self.late = log, late
+
+    # The trampoline of a Python ProcessGroup asks for these by name (DeviceMesh, hence torch's FSDP2, needs them).
+    _group_name, _group_desc = "", ""
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    # ---- helpers ---------------------------------------------------------------------------------------------
+    def _record(self, kind: str, tensor: torch.Tensor | None, opts) -> None:
+        numel = int(tensor.numel()) if tensor is not None else 0
+        dtype = str(tensor.dtype) if tensor is not None else ""
+        self.log.add(Call(kind, numel, dtype, bool(getattr(opts, "asyncOp", True))))
+
+    def _late(self, outputs: list[torch.Tensor], run):
+        """Run the real collective into private copies of ``outputs``; poison ``outputs`` until wait()."""
+        if not self.late:
+            return run(outputs)
+        with _disable_current_modes(), torch.no_grad():
+            private = [torch.empty_like(t) for t in outputs]
+            work = run(private)
+            for t in outputs:
+                if t.is_floating_point() or t.is_complex():
+                    t.fill_(float("nan"))
+                else:
+                    t.fill_(-(2 ** 30) if t.dtype not in (torch.uint8, torch.bool) else 0)
+
+        def finish():
+            for t, p in zip(outputs, private):
+                t.copy_(p)
+        return _LateWork(work, finish)
+
+    @staticmethod
+    def _snapshot(t: torch.Tensor) -> torch.Tensor:
+        # The input is read before the output is poisoned: they may overlap (an in-place all-gather).
+        with _disable_current_modes(), torch.no_grad():
+            return t.detach().clone() if t.is_contiguous() else t.detach().contiguous().clone()
+
+    # ---- collectives whose result arrives late ---------------------------------------------------------------
+    def all_gather_single(self, output, input, opts):
+        self._record("all_gather", input, opts)
+        src = self._snapshot(input) if self.late else input
+        return self._late([output], lambda outs: self.inner._allgather_base(outs[0], src, _ag_opts(opts)))
+
+    _allgather_base = all_gather_single
+
+    def reduce_scatter_single(self, output, input, opts):
+        self._record("reduce_scatter", input, opts)
+        src = self._snapshot(input) if self.late else input
+        return self._late([output], lambda outs: self.inner._reduce_scatter_base(outs[0], src, _rs_opts(opts)))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def allreduce(self, tensors, opts):
+        self._record("all_reduce", tensors[0] if tensors else None, opts)
+        if not self.late:
+            return self.inner.allreduce(tensors, opts)
+        srcs = [self._snapshot(t) for t in tensors]
+
+        def run(outs):
+            for o, s in zip(outs, srcs):
+                o.copy_(s)
+            return self.inner.allreduce(outs, opts)
+        return self._late(list(tensors), run)
+
+    def allgather(self, output_lists, input_list, opts):
+        self._record("all_gather_list", input_list[0] if input_list else None, opts)
+        if not self.late:
+            return self.inner.allgather(output_lists, input_list, opts)
+        srcs = [self._snapshot(t) for t in input_list]
+        flat = [t for lst in output_lists for t in lst]
+
+        def run(outs):
+            it = iter(outs)
+            return self.inner.allgather([[next(it) for _ in lst] for lst in output_lists], srcs, opts)
+        return self._late(flat, run)
+
+    def reduce_scatter(self, outputs, input_lists, opts):
+        self._record("reduce_scatter_list", input_lists[0][0] if input_lists and input_lists[0] else None, opts)
+        if not self.late:
+            return self.inner.reduce_scatter(outputs, input_lists, opts)
+        srcs = [[self._snapshot(t) for t in lst] for lst in input_lists]
+        return self._late(list(outputs), lambda outs: self.inner.reduce_scatter(outs, srcs, opts))
+
+    # ---- the rest: recorded, passed through ------------------------------------------------------------------
+    def broadcast(self, tensors, opts):
+        self._record("broadcast", tensors[0] if tensors else None, opts)
+        return self.inner.broadcast(tensors, opts)
+
+    def barrier(self, opts):
+        self._record("barrier", None, opts)
+        return self.inner.barrier(opts)
+
+    def reduce(self, tensors, opts):
+        self._record("reduce", tensors[0] if tensors else None, opts)
+        return self.inner.reduce(tensors, opts)
+
+    def gather(self, output_lists, input_list, opts):
+        self._record("gather", input_list[0] if input_list else None, opts)
+        return self.inner.gather(output_lists, input_list, opts)
+
+    def scatter(self, outputs, input_lists, opts):
+        self._record("scatter", outputs[0] if outputs else None, opts)
+        return self.inner.scatter(outputs, input_lists, opts)
+
+    def alltoall(self, outputs, inputs, opts):
+        self._record("all_to_all", inputs[0] if inputs else None, opts)
+        return self.inner.alltoall(outputs, inputs, opts)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+        self._record("all_to_all", input, opts)
+        return self.inner.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    all_to_all_single = alltoall_base
+
+    def allreduce_coalesced(self, tensors, opts):
+        self._record("all_reduce", tensors[0] if tensors else None, opts)
+        return self.inner.allreduce_coalesced(tensors, opts)
+
+    def allgather_coalesced(self, output_lists, input_list, opts):
+        self._record("all_gather_list", input_list[0] if input_list else None, opts)
+        return self.inner.allgather_coalesced(output_lists, input_list, opts)
+
+    def send(self, tensors, dst, tag):
+        self._record("send", tensors[0] if tensors else None, None)
+        return self.inner.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag):
+        self._record("recv", tensors[0] if tensors else None, None)
+        return self.inner.recv(tensors, src, tag)
+
+
+def _ag_opts(opts):
+    return torch._C._distributed_c10d.AllgatherOptions() if opts is None else opts
+
+
+def _rs_opts(opts):
+    out = torch._C._distributed_c10d.ReduceScatterOptions()
+    if opts is not None:
+        out.reduceOp = opts.reduceOp
+    return out
+
+
+_state: dict = {}
+
+
+def _create(opts, _backend_options):
+    pg = CountedProcessGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout, _state["log"],
+                             _state["late"])
+    pg._group_name = str(opts.group_id)  # DeviceMesh (torch's FSDP2) looks groups up by name
+    return pg
+
+
+def use_counted_collectives(late: bool = True) -> CallLog | None:
+    """Replace this rank's default (gloo) process group by a counting one, on every rank (collective: call it
+    first thing in the body, before any model is sharded). Returns the log of calls; None under NCCL."""
+    if dist.get_backend() != "gloo":
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    timeout = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
+    rank, size = dist.get_rank(), dist.get_world_size()
+    generation = _state.get("generation", 0) + 1
+    _state.update(log=CallLog(), late=late, generation=generation)
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    dist.barrier()  # nobody leaves the old group while a peer still uses it
+    dist.destroy_process_group()
+    dist.init_process_group(BACKEND_NAME, store=dist.PrefixStore(f"counted-{generation}", store), rank=rank,
+                            world_size=size, timeout=timeout)
+    return _state["log"]
