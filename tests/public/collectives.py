@@ -58,10 +58,15 @@ class CallLog:
     def __init__(self):
         self.calls: list[Call] = []
         self._lock = threading.Lock()
+        # Optional: called as listener(call, output) when a call is issued; ``output`` is the tensor the
+        # caller receives the result in (None for calls without one), e.g. to tell which buffer was gathered.
+        self.listener = None
 
-    def add(self, call: Call) -> None:
+    def add(self, call: Call, output: torch.Tensor | None = None) -> None:
         with self._lock:
             self.calls.append(call)
+        if self.listener is not None:
+            self.listener(call, output)
 
     def mark(self) -> int:
         return len(self.calls)
@@ -141,10 +146,10 @@ class CountedProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     # ---- helpers ---------------------------------------------------------------------------------------------
-    def _record(self, kind: str, tensor: torch.Tensor | None, opts) -> None:
+    def _record(self, kind: str, tensor: torch.Tensor | None, opts, output: torch.Tensor | None = None) -> None:
         numel = int(tensor.numel()) if tensor is not None else 0
         dtype = str(tensor.dtype) if tensor is not None else ""
-        self.log.add(Call(kind, numel, dtype, bool(getattr(opts, "asyncOp", True))))
+        self.log.add(Call(kind, numel, dtype, bool(getattr(opts, "asyncOp", True))), output)
 
     def _late(self, outputs: list[torch.Tensor], run):
         """Run the real collective into private copies of ``outputs``; poison ``outputs`` until wait()."""
@@ -172,14 +177,14 @@ class CountedProcessGroup(dist.ProcessGroup):
 
     # ---- collectives whose result arrives late ---------------------------------------------------------------
     def all_gather_single(self, output, input, opts):
-        self._record("all_gather", input, opts)
+        self._record("all_gather", input, opts, output)
         src = self._snapshot(input) if self.late else input
         return self._late([output], lambda outs: self.inner._allgather_base(outs[0], src, _ag_opts(opts)))
 
     _allgather_base = all_gather_single
 
     def reduce_scatter_single(self, output, input, opts):
-        self._record("reduce_scatter", input, opts)
+        self._record("reduce_scatter", input, opts, output)
         src = self._snapshot(input) if self.late else input
         return self._late([output], lambda outs: self.inner._reduce_scatter_base(outs[0], src, _rs_opts(opts)))
 

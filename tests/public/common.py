@@ -106,6 +106,61 @@ def expected_shard(desc: dict, full: dict[str, torch.Tensor]) -> torch.Tensor:
     return flat[desc["shard_offset"]:desc["shard_offset"] + desc["shard_numel"]]
 
 
+def expected_owners(model: nn.Module, unit_prefixes: list[str]) -> dict[str, dict[int, nn.Parameter]]:
+    """Which parameters each unit owns, decided from the parent's own (unsharded) copy of the model.
+
+    ``unit_prefixes``: the units' module names plus a dot (``"blocks.0."``; ``""`` for the root), children
+    before parents, as they were sharded. A unit owns every parameter of its subtree that no earlier unit
+    took; returns prefix -> {id(parameter): parameter}.
+    """
+    taken: set[int] = set()
+    out = {}
+    for prefix in unit_prefixes:
+        module = model.get_submodule(prefix[:-1]) if prefix else model
+        own = {id(p): p for _, p in module.named_parameters(remove_duplicate=False) if id(p) not in taken}
+        taken |= own.keys()
+        out[prefix] = own
+    return out
+
+
+def check_flat_params(descs: list[dict], model: nn.Module, unit_prefixes: list[str], where: str) -> list[bool]:
+    """Check a rank's FlatParameters (``describe_flat_params``) against the parent's model: every unit exists
+    and owns exactly its parameters, each once, and each FlatParameter's ``requires_grad`` is that of the
+    parameters it holds. Returns, per FlatParameter, whether it is trainable, decided from the parent's model
+    (never from what the rank reports)."""
+    owners = expected_owners(model, unit_prefixes)
+    seen: dict[str, set[int]] = {}
+    trainable = []
+    for d in descs:
+        prefix, unit = d["prefix"], d["prefix"] or "<root>"
+        assert prefix in owners, f"{where}: a FlatParameter on '{unit}', which is not one of the units {sorted(owners)}"
+        module = model.get_submodule(prefix[:-1]) if prefix else model
+        try:
+            params = [module.get_parameter(n) for n in d["param_names"]]
+        except AttributeError as e:
+            raise AssertionError(f"{where}: unit {unit} lists a parameter its module does not have: {e}") from None
+        ids = [id(p) for p in params]
+        assert len(set(ids)) == len(ids) and not (set(ids) & seen.get(prefix, set())), \
+            f"{where}: unit {unit} holds a parameter twice: {d['param_names']}"
+        kinds = {p.requires_grad for p in params}
+        assert len(kinds) == 1, f"{where}: unit {unit} mixes trainable and frozen parameters in one FlatParameter"
+        rg = kinds.pop()
+        assert d["requires_grad"] == rg, (
+            f"{where}: unit {unit}'s FlatParameter over {d['param_names'][:3]}... has requires_grad="
+            f"{d['requires_grad']}, but those parameters have requires_grad={rg}")
+        seen.setdefault(prefix, set()).update(ids)
+        trainable.append(rg)
+    for prefix, own in owners.items():
+        got = seen.get(prefix, set())
+        if got != set(own):
+            names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+            missing = sorted(names[i] for i in set(own) - got)
+            extra = sorted(names.get(i, "?") for i in got - set(own))
+            raise AssertionError(f"{where}: unit '{prefix or '<root>'}' must own exactly the parameters of its "
+                                 f"subtree that no child unit owns; missing {missing}, extra {extra}")
+    return trainable
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = 1e-5) -> None:
     """Relative error in norm <= rtol (a tolerance that holds on any BLAS for fp32)."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"

@@ -25,7 +25,9 @@ def _materialize_unsharded(rank, world_size, model_name, seed):
     after = torch.rand(4)  # the generator must end where eager init left it
     tied = model_name == "gpt" and model.lm_head.weight is model.wte.weight
     return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "after": after, "tied": tied,
-            "meta_left": [n for n, t in model.state_dict().items() if t.is_meta]}
+            "meta_left": [n for n, t in model.state_dict().items() if t.is_meta],
+            "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+            "is_param": {n: isinstance(p, torch.nn.Parameter) for n, p in model.named_parameters()}}
 
 
 @pytest.mark.parametrize("model_name", sorted(MODELS))
@@ -41,5 +43,12 @@ def test_unsharded_module_matches_eager_init_bitwise(model_name):
         assert torch.equal(got["state"][name], tensor), \
             f"{name} differs from eager init under the same seed (the RNG must be consumed in eager order)"
     assert torch.equal(got["after"], after), "the random generator ends in a different state than after eager init"
+    # Not only values: a frozen parameter (ToyMLP's `gate`) must stay frozen, every parameter a Parameter.
+    expected_rg = {n: p.requires_grad for n, p in eager.named_parameters()}
+    assert got["requires_grad"] == expected_rg, (
+        f"requires_grad after materialize_meta_module differs from eager init: "
+        f"{ {n: v for n, v in got['requires_grad'].items() if expected_rg.get(n) != v} } "
+        f"(a frozen parameter must stay frozen)")
+    assert all(got["is_param"].values()), "materialized parameters must still be nn.Parameter objects"
     if model_name == "gpt":
         assert got["tied"], "lm_head.weight and wte.weight must stay one tied parameter"

@@ -95,6 +95,11 @@ def _views_and_free(rank, world_size):
 def test_views_alias_the_flat_buffer_and_free_releases_storage():
     (got,) = run_ranks(_views_and_free, 1)
     assert got["allocated"] == got["padded_numel"] * got["itemsize"], "alloc_unsharded must allocate padded_numel elements"
+    block = _block()
+    assert got["names"] == _trainable_names(block), \
+        f"param_names {got['names']}: expected the parameters given to the constructor, in order"
+    assert len(got["views"]) == len(got["names"]) == len(got["aliases"]), \
+        "unsharded_views() must return one view per parameter"
     assert all(got["aliases"]), "unsharded_views() must be views of `unsharded` (same storage), not copies"
     offset = 0
     for name, shape, view in zip(got["names"], got["shapes"], got["views"]):

@@ -69,6 +69,8 @@ def test_forward_matches_single_process(world_size, reshard_after_forward):
             expected = model(idx)
         assert_close(got["logits"], expected, f"rank {rank}: logits", rtol=1e-6)
         assert_close(got["again"], expected, f"rank {rank}: logits of a second forward", rtol=1e-6)
+        assert len(got["sizes"]) == cfg.n_layer + 1, \
+            f"rank {rank}: {len(got['sizes'])} FlatParameters, expected one per unit ({cfg.n_layer} blocks + root)"
         if reshard_after_forward:
             assert all(s == 0 for s in got["sizes"]), \
                 f"rank {rank}: after forward with reshard_after_forward=True every unit must be resharded " \

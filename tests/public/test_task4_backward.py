@@ -8,8 +8,8 @@ import torch
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, ToyMLP, gpt_batch, gpt_loss
 from tests.harness import run_ranks
-from tests.public.common import (assert_close, describe_flat_params, expected_shard, hand_shard,
-                                 hand_shard_gpt, local_batch, rank_device, unsharded_storage_sizes)
+from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard,
+                                 hand_shard, hand_shard_gpt, local_batch, rank_device, unsharded_storage_sizes)
 
 pytestmark = pytest.mark.task4
 
@@ -33,11 +33,14 @@ def _single_process_grads(model, loss) -> dict[str, torch.Tensor]:
             model.named_parameters(remove_duplicate=False)}
 
 
-def _check_grad_shards(results, expected_grads):
+def _check_grad_shards(results, model, unit_prefixes, expected_grads):
+    """Every rank's gradient shards against single-process PyTorch. Which units exist, what each owns and
+    which of its FlatParameters are trainable is decided from the parent's own ``model``."""
     for rank, got in enumerate(results):
-        for desc in got["flat"]:
+        trainable = check_flat_params(got["flat"], model, unit_prefixes, f"rank {rank}")
+        for desc, is_trainable in zip(got["flat"], trainable):
             unit = desc["prefix"] or "<root>"
-            if not desc["requires_grad"]:
+            if not is_trainable:
                 assert desc["grad"] is None, f"rank {rank}: frozen parameters of {unit} must get no gradient"
                 continue
             assert desc["grad"] is not None, f"rank {rank}: unit {unit} has no gradient on its shard after backward"
@@ -46,7 +49,11 @@ def _check_grad_shards(results, expected_grads):
             pad_from = max(0, desc["numel"] - desc["shard_offset"])
             assert torch.all(desc["grad"][pad_from:] == 0), f"rank {rank}: gradient padding of {unit} must be zero"
         assert got["full_grads_alive"] == [], f"rank {rank}: full gradients still alive after backward: {got['full_grads_alive']}"
-        assert all(s == 0 for s in got["sizes"]), f"rank {rank}: units still unsharded after backward: {got['sizes']}"
+        assert len(got["sizes"]) == len(got["flat"]) and all(s == 0 for s in got["sizes"]), \
+            f"rank {rank}: units still unsharded after backward: {got['sizes']}"
+
+
+GPT_UNITS = [f"blocks.{i}." for i in range(GPTConfig().n_layer)] + [""]  # hand_shard_gpt: blocks, then the root
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -56,7 +63,7 @@ def test_gradient_shards_match_single_process(backend, world_size):
     torch.manual_seed(0)
     model = GPT(cfg)
     idx, tgt = gpt_batch(cfg, 2 * world_size, seed=0)
-    _check_grad_shards(results, _single_process_grads(model, gpt_loss(model, idx, tgt)))
+    _check_grad_shards(results, model, GPT_UNITS, _single_process_grads(model, gpt_loss(model, idx, tgt)))
 
 
 def test_gradients_without_reshard_after_forward():
@@ -65,7 +72,7 @@ def test_gradients_without_reshard_after_forward():
     torch.manual_seed(0)
     model = GPT(cfg)
     idx, tgt = gpt_batch(cfg, 4, seed=0)
-    _check_grad_shards(results, _single_process_grads(model, gpt_loss(model, idx, tgt)))
+    _check_grad_shards(results, model, GPT_UNITS, _single_process_grads(model, gpt_loss(model, idx, tgt)))
 
 
 def _toy_backward(rank, world_size):
@@ -85,7 +92,8 @@ def test_nested_frozen_and_unused_parameters():
     torch.manual_seed(0)
     model = ToyMLP(with_unused=True)
     x = torch.randn(4 * world_size, 13, generator=torch.Generator().manual_seed(1))
-    _check_grad_shards(results, _single_process_grads(model, model(x).pow(2).mean()))
+    units = [p for i in range(len(model.blocks)) for p in (f"blocks.{i}.inner.", f"blocks.{i}.")] + [""]
+    _check_grad_shards(results, model, units, _single_process_grads(model, model(x).pow(2).mean()))
 
 
 def _reduce_scatter(rank, world_size):

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, gpt_loss
 from tests.harness import run_ranks
+from tests.public.collectives import use_counted_collectives
 from tests.public.common import hand_shard_gpt, local_batch
 
 pytestmark = pytest.mark.task6
 
 CFG = GPTConfig(n_layer=4)
-ALL_GATHERS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
-REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base")
 
 
 def _train(rank, world_size, prefetch, steps=3):
@@ -33,17 +31,26 @@ def _train(rank, world_size, prefetch, steps=3):
 
 
 def _bitwise(rank, world_size):
+    # Collectives finish late (their outputs hold NaN until wait()), as on a GPU: a prefetched all-gather or an
+    # asynchronous reduce-scatter used before its handle is waited on changes the numbers here.
+    use_counted_collectives(late=True)
     return {p: [prm.detach().clone() for prm in _train(rank, world_size, p).parameters()] for p in (False, True)}
 
 
 def test_prefetch_changes_no_number():
     for rank, got in enumerate(run_ranks(_bitwise, 2)):
         for off, on in zip(got[False], got[True]):
+            assert not on.isnan().any(), (
+                f"rank {rank}: NaN in the parameters with prefetching on. In this test a collective's output holds NaN "
+                f"until its handle's wait() is called: wait on every async all-gather and reduce-scatter before using "
+                f"its result")
             assert torch.equal(off, on), f"rank {rank}: parameters after 3 steps differ with prefetching on vs off"
 
 
 def _trace(rank, world_size):
-    """One warm-up step (records the order), then a traced step: every collective and every block forward."""
+    """One warm-up step (records the order), then a traced step: every collective (in issue order, whichever
+    way it is called), every block's forward, and the first backward computation inside every block."""
+    log = use_counted_collectives(late=True)
     torch.manual_seed(0)
     model = GPT(CFG)
     root = hand_shard_gpt(model, hooks=6)
@@ -51,23 +58,23 @@ def _trace(rank, world_size):
     units = adapters.fsdp_units(model)
     blocks = [b._fsdp_unit for b in model.blocks]
     events, unsharded_counts = [], []
+    tracing = [False]
 
     def count_unsharded():
         unsharded_counts.append(sum(any(fp.is_unsharded() for fp in u.flat_params) for u in units if not u.is_root))
 
-    def wrap(name, kind):
-        real = getattr(dist, name)
+    def on_collective(call, output):
+        if not tracing[0] or call.kind not in ("all_gather", "reduce_scatter"):
+            return
+        which = None
+        if call.kind == "all_gather":  # identify the unit by the buffer it gathers into
+            ptr = output.untyped_storage().data_ptr()
+            which = next((blocks.index(u) for u in blocks for fp in u.flat_params
+                          if fp.unsharded.untyped_storage().data_ptr() == ptr), "root")
+        events.append(("ag" if call.kind == "all_gather" else "rs", which, call.async_op))
+        count_unsharded()
 
-        def patched(output, input, *args, async_op=False, **kwargs):
-            work = real(output, input, *args, async_op=async_op, **kwargs)
-            which = None
-            if kind == "ag":  # identify the unit by the buffer it gathers into
-                which = next((blocks.index(u) for u in blocks for fp in u.flat_params
-                              if fp.unsharded.untyped_storage().data_ptr() == output.untyped_storage().data_ptr()), "root")
-            events.append((kind, which, bool(async_op)))
-            count_unsharded()
-            return work
-        return patched
+    log.listener = on_collective
 
     def forward_started(i):
         def hook(module, args):
@@ -75,15 +82,20 @@ def _trace(rank, world_size):
             count_unsharded()
         return hook
 
+    def backward_started(i):
+        # The gradient of the block's last layer's output: the block's first backward computation comes next.
+        def hook(module, args, output):
+            if torch.is_grad_enabled() and tracing[0]:
+                output.register_hook(lambda grad: events.append(("bwd", i, None)))
+        return hook
+
     for i, block in enumerate(model.blocks):
         # Registered after FSDP's hooks, so they run once FSDP's pre-forward has done its work.
         block.register_forward_pre_hook(forward_started(i))
+        block.mlp.c_proj.register_forward_hook(backward_started(i))
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
-        if step == 1:
-            for name in ALL_GATHERS + REDUCE_SCATTERS:
-                if hasattr(dist, name):
-                    setattr(dist, name, wrap(name, "ag" if name in ALL_GATHERS else "rs"))
+        tracing[0] = step == 1
         idx, tgt = local_batch(CFG, rank, world_size, step)
         optim.zero_grad()
         loss = gpt_loss(model, idx, tgt)
@@ -113,8 +125,15 @@ def test_prefetch_order_and_at_most_two_units_unsharded():
             f"rank {rank}: backward must all-gather the blocks in reverse forward order, got {bwd_ags}"
         rs_positions = [j for j, e in enumerate(bwd) if e[0] == "rs"]
         for k in range(1, n):  # block n-k's reduce-scatter is the k-th; block n-1-k must be gathered before it
-            ag = next(j for j, e in enumerate(bwd) if e == ("ag", n - 1 - k, True))
-            assert ag < rs_positions[k - 1], \
+            ag = next((j for j, e in enumerate(bwd) if e[:2] == ("ag", n - 1 - k)), None)
+            assert ag is not None and bwd[ag][2], \
+                f"rank {rank}: block {n - 1 - k} must be prefetched (async_op=True) in backward; backward events: {bwd}"
+            started = bwd.index(("bwd", n - k, None))
+            assert ag < started, (
+                f"rank {rank}: block {n - 1 - k}'s backward prefetch must be issued before block {n - k}'s backward "
+                f"starts computing (in block {n - k}'s pre-backward), so that it overlaps that computation; it came "
+                f"after. Backward events: {bwd}")
+            assert len(rs_positions) >= k and ag < rs_positions[k - 1], \
                 f"rank {rank}: block {n - 1 - k} must be prefetched (async) before block {n - k}'s reduce-scatter; " \
                 f"backward events: {bwd}"
         assert got["max_unsharded"] <= 2, \

@@ -78,9 +78,13 @@ def test_units_are_resharded_after_forward_and_backward():
         assert got["forward"] and all(s == 0 for s in got["forward"]), \
             f"rank {rank}: with reshard_after_forward=True every unit must be resharded (storage size 0) after " \
             f"forward: {got['forward']}"
+        n_units = CFG.n_layer + 1  # each block and the root: one trainable FlatParameter each
+        assert len(got["forward"]) == len(got["backward"]["sizes"]) == n_units, \
+            f"rank {rank}: {len(got['forward'])} FlatParameters, expected one per unit ({n_units})"
         assert all(s == 0 for s in got["backward"]["sizes"]), f"rank {rank}: units unsharded after backward"
         assert got["backward"]["full_grads"] == 0, f"rank {rank}: full (unsharded) gradients alive after backward"
-        assert all("_fsdp_flat_param" in n for n in got["backward"]["param_names"]), \
+        assert len(got["backward"]["param_names"]) == n_units and \
+            all("_fsdp_flat_param" in n for n in got["backward"]["param_names"]), \
             f"rank {rank}: module.parameters() must yield only the flat shards, got {got['backward']['param_names']}"
 
 
