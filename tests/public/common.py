@@ -161,6 +161,41 @@ def check_flat_params(descs: list[dict], model: nn.Module, unit_prefixes: list[s
     return trainable
 
 
+def unit_numels(model: nn.Module, unit_prefixes: list[str]) -> dict[str, int]:
+    """Elements each unit owns (tied parameters once), from the parent's model."""
+    return {prefix: sum(p.numel() for p in own.values())
+            for prefix, own in expected_owners(model, unit_prefixes).items()}
+
+
+def check_sharded_training(calls: list[dict], shard_numels: list[int], model: nn.Module, unit_prefixes: list[str],
+                           world_size: int, steps: int, where: str) -> None:
+    """What a rank communicated and stores while training ``steps`` steps with one trainable FlatParameter per
+    unit and ``reshard_after_forward=True``, against the parent's model: its parameters are shards (about 1/W
+    of each unit), every unit is all-gathered in forward and again in backward (the root at least in forward),
+    and each unit's full gradient is reduce-scattered once per step; nothing is all-reduced."""
+    numels = unit_numels(model, unit_prefixes)
+    padded = {k: -(-n // world_size) * world_size for k, n in numels.items() if n}
+    shard_total = sum(n // world_size for n in padded.values())
+    assert sum(shard_numels) == shard_total, (
+        f"{where}: this rank's parameters hold {sum(shard_numels)} elements; a sharded model holds "
+        f"{shard_total} (each unit's padded elements / W). Keep only this rank's shard of every unit")
+    kinds = sorted({c["kind"] for c in calls} - {"all_gather", "reduce_scatter"})
+    assert not kinds, f"{where}: training communicated with {kinds}; FSDP needs only all-gathers and reduce-scatters"
+    gathered = sum(c["numel"] for c in calls if c["kind"] == "all_gather")
+    block_shards = sum(padded[k] // world_size for k in padded if k)
+    low = steps * (2 * block_shards + padded.get("", 0) // world_size)
+    high = steps * 2 * shard_total
+    assert low <= gathered <= high, (
+        f"{where}: {steps} training steps all-gathered {gathered} elements from this rank; expected between {low} "
+        f"(every unit in forward and again in backward, the root at least in forward) and {high} (every unit twice "
+        f"a step): parameters must come from the other ranks' shards, and no unit be gathered needlessly")
+    reduced = sorted(c["numel"] for c in calls if c["kind"] == "reduce_scatter")
+    expected = sorted(list(padded.values()) * steps)
+    assert reduced == expected, (
+        f"{where}: reduce-scatters of {reduced} elements in {steps} steps; expected each unit's padded full "
+        f"gradient once a step: {expected}")
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = 1e-5) -> None:
     """Relative error in norm <= rtol (a tolerance that holds on any BLAS for fp32)."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"

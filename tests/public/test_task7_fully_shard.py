@@ -11,12 +11,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, TiedModel, ToyMLP, gpt_batch, gpt_loss
 from tests.harness import run_ranks
-from tests.public.common import assert_close, full_params_of, local_batch, rank_device, train_single_process
+from tests.public.collectives import use_counted_collectives
+from tests.public.common import (assert_close, check_flat_params, check_sharded_training, describe_flat_params,
+                                 expected_shard, full_params_of, local_batch, rank_device, train_single_process)
 
 pytestmark = pytest.mark.task7
 
 CFG = GPTConfig()
 SGD = dict(lr=0.1, momentum=0.9)
+GPT_UNITS = [f"blocks.{i}." for i in range(CFG.n_layer)] + [""]  # _shard_gpt: the blocks, then the root
 
 
 def _shard_gpt(model, shard=None, **kwargs):
@@ -38,25 +41,53 @@ def _train(model, optim, rank, world_size, steps, device="cpu"):
 def _ours_and_fsdp2(rank, world_size, steps):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     results, device = {}, rank_device()
-    for name, shard in (("ours", adapters.fully_shard), ("fsdp2", torch_fully_shard)):
-        torch.manual_seed(0)
-        model = _shard_gpt(GPT(CFG).to(device), shard)
-        optim = torch.optim.SGD(model.parameters(), **SGD)
-        _train(model, optim, rank, world_size, steps, device)
-        if name == "ours":
-            results[name] = {n: t.cpu() for n, t in adapters.gather_full_params(model).items()}
-        else:
-            results[name] = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
-    return results if rank == 0 else None
+    torch.manual_seed(0)
+    model = _shard_gpt(GPT(CFG).to(device), torch_fully_shard)
+    optim = torch.optim.SGD(model.parameters(), **SGD)
+    _train(model, optim, rank, world_size, steps, device)
+    results["fsdp2"] = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
+    # Ours on counted collectives that finish late (see tests/public/collectives.py); None under NCCL.
+    log = use_counted_collectives(late=True)
+    torch.manual_seed(0)
+    model = _shard_gpt(GPT(CFG).to(device))
+    optim = torch.optim.SGD(model.parameters(), **SGD)
+    _train(model, optim, rank, world_size, steps, device)
+    trained = log.mark() if log else 0
+    results["ours"] = {n: t.cpu() for n, t in adapters.gather_full_params(model).items()}
+    results["shard_numels"] = [p.numel() for p in model.parameters()]
+    results["flat"] = describe_flat_params(model)
+    results["train_calls"] = log.since(0)[:trained] if log else None
+    results["gather_calls"] = log.since(trained) if log else None
+    return results
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_training_matches_single_process_and_torch_fsdp2(backend, world_size):
-    got = run_ranks(_ours_and_fsdp2, world_size, 5, backend=backend, timeout=120)[0]
-    expected = train_single_process(CFG, world_size, 5, torch.optim.SGD, **SGD)
+    steps = 5
+    results = run_ranks(_ours_and_fsdp2, world_size, steps, backend=backend, timeout=120)
+    expected = train_single_process(CFG, world_size, steps, torch.optim.SGD, **SGD)
+    got = results[0]
     for name, p in expected.named_parameters():
         assert_close(got["ours"][name], p, f"W={world_size} {name} after 5 SGD steps (ours vs single process)")
         assert_close(got["fsdp2"][name], p, f"W={world_size} {name} after 5 SGD steps (torch FSDP2 vs single process)")
+    # Sharding really happened: every rank holds its own slice of the trained model and communicated for it.
+    full = full_params_of(expected)
+    for rank, got in enumerate(results):
+        where = f"W={world_size}, rank {rank}"
+        check_flat_params(got["flat"], expected, GPT_UNITS, where)
+        for desc in got["flat"]:
+            assert_close(desc["shard"], expected_shard(desc, full), f"{where}: shard of unit '{desc['prefix'] or '<root>'}'")
+        for name, p in expected.named_parameters():
+            assert_close(got["ours"][name], p, f"{where}: gather_full_params()['{name}']")
+        if got["train_calls"] is None:
+            continue  # NCCL: collectives are not counted
+        check_sharded_training(got["train_calls"], got["shard_numels"], expected, GPT_UNITS, world_size, steps, where)
+        calls = [c for c in got["gather_calls"] if c["kind"] != "barrier"]
+        gathered = [c for c in calls if c["kind"] in ("all_gather", "all_gather_list")]
+        assert len(gathered) == len(calls) and \
+            sum(c["numel"] for c in gathered) == sum(got["shard_numels"]), (
+            f"{where}: gather_full_params must all-gather every rank's shards (this rank's {sum(got['shard_numels'])} "
+            f"elements, once); it communicated {got['gather_calls']}")
 
 
 def _memory_states(rank, world_size):
@@ -195,28 +226,19 @@ def test_mixed_precision_matches_torch_fsdp2():
 
 
 def _accumulate(rank, world_size, sync_every_micro_batch):
+    log = use_counted_collectives(late=True)  # every collective, however it is called
     torch.manual_seed(0)
     model = _shard_gpt(GPT(CFG))
-    calls = []
-
-    def counting(real):
-        def reduce_scatter(*args, **kwargs):
-            calls.append(1)
-            return real(*args, **kwargs)
-        return reduce_scatter
-
-    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
-        if hasattr(dist, name):
-            setattr(dist, name, counting(getattr(dist, name)))
+    unsynced = []
     for micro in range(3):
         last = micro == 2
         adapters.set_requires_gradient_sync(model, sync_every_micro_batch or last)
         idx, tgt = local_batch(CFG, rank, world_size, micro)
-        before = len(calls)
+        before = log.mark()
         gpt_loss(model, idx, tgt).backward()
         if not (sync_every_micro_batch or last):
-            assert len(calls) == before, "a backward without gradient sync must not reduce-scatter"
-    return {"full": _full_grads(model)}
+            unsynced += log.since(before)
+    return {"full": _full_grads(model), "unsynced": unsynced}
 
 
 def _full_grads(model):
@@ -243,6 +265,10 @@ def test_gradient_accumulation_with_and_without_sync(sync_every_micro_batch):
         idx, tgt = gpt_batch(CFG, 2 * world_size, seed=micro)
         gpt_loss(model, idx, tgt).backward()
     for rank, got in enumerate(results):
+        reductions = [c for c in got["unsynced"] if c["kind"] not in ("all_gather", "barrier")]
+        assert not reductions, (
+            f"rank {rank}: a backward without gradient sync must not communicate gradients (no reduce-scatter, "
+            f"all-reduce or any other reduction until the synced micro-batch); it issued {reductions}")
         for name, p in model.named_parameters(remove_duplicate=False):
             assert_close(got["full"][name], p.grad, f"rank {rank}: {name} gradient summed over 3 micro-batches")
 
