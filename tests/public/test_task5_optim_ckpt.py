@@ -15,6 +15,7 @@ from tests.public.common import (assert_close, describe_flat_params, expected_sh
 pytestmark = pytest.mark.task5
 
 CFG = GPTConfig()
+GPT_UNITS = [f"blocks.{i}." for i in range(CFG.n_layer)] + [""]  # hand_shard_gpt: the blocks, then the root
 # Adam's first step is lr * g / (|g| + eps): for a gradient that is zero in exact arithmetic (the attention
 # key bias) it amplifies rounding noise to a full +-lr step, on any two implementations. An eps above that
 # noise (about 4e-9 here) keeps the comparison about FSDP, not about the sign of rounding noise.
@@ -104,11 +105,15 @@ def _checkpoint(rank, world_size):
     dist.broadcast_object_list(box, src=0)
     saved["full"] = box[0]
     resumed = {}
+    hyper = {}
     for kind in ("full", "sharded"):
-        model = _sharded_model(seed=1)  # different init: everything must come from the checkpoint
-        optim = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        # Another init and other hyperparameters: everything must come from the checkpoint, as with
+        # torch.optim's own load_state_dict (param_groups' lr and weight_decay included).
+        model = _sharded_model(seed=1)
+        optim = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=0.5, weight_decay=0.0)
         adapters.set_model_state_dict(model, saved[kind][0], full=kind == "full")
         adapters.set_optimizer_state_dict(model, optim, saved[kind][1], full=kind == "full")
+        hyper[kind] = [(float(g["lr"]), float(g["weight_decay"])) for g in optim.param_groups]
         _train(model, optim, rank, world_size, range(2, 4))
         resumed[kind] = [fp.shard.detach().clone() for _, fp in _named(model)]
     plain_keys_ok = None
@@ -116,7 +121,7 @@ def _checkpoint(rank, world_size):
         plain = GPT(CFG)
         missing, unexpected = plain.load_state_dict(saved["full"][0], strict=False)
         plain_keys_ok = [*missing, *unexpected]
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "plain": plain_keys_ok,
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "plain": plain_keys_ok, "hyper": hyper,
             "full_keys": sorted(saved["full"][1]["state"]) if saved["full"][1] else []}
 
 
@@ -129,6 +134,12 @@ def test_resume_from_full_and_sharded_checkpoints_equals_no_interruption():
     results = run_ranks(_checkpoint, 2, timeout=90)
     for rank, got in enumerate(results):
         for kind in ("full", "sharded"):
+            assert got["hyper"][kind] and set(got["hyper"][kind]) == {(1e-2, 0.1)}, (
+                f"rank {rank}: after loading a {kind} optimizer checkpoint into an optimizer made with lr=0.5, "
+                f"weight_decay=0, its param_groups have (lr, weight_decay) {got['hyper'][kind]}; the checkpoint's "
+                f"(1e-2, 0.1) must be restored, as torch.optim.Optimizer.load_state_dict does")
+            assert len(got["uninterrupted"]) == len(got["resumed"][kind]) == len(GPT_UNITS), \
+                f"rank {rank}: expected one FlatParameter per unit"
             for a, b in zip(got["uninterrupted"], got["resumed"][kind]):
                 assert torch.equal(a, b), f"rank {rank}: resuming from a {kind} checkpoint differs from never stopping"
     assert results[0]["plain"] == [], \
