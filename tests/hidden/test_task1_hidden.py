@@ -1,6 +1,7 @@
 """Task 1 (hidden): meta-device init replays the RNG exactly (nested modules, a tied weight whose later owner
-sits mid-order, buffers); a module without reset_parameters() is refused. The sharded variant is Task 2's
-(tests/hidden/test_task2_hidden.py), as it needs FlatParameters."""
+sits mid-order, buffers, a module that owns only a buffer) and keeps frozen parameters frozen; a module without
+reset_parameters() is refused. The sharded variant is Task 2's (tests/hidden/test_task2_hidden.py), as it needs
+FlatParameters."""
 
 from __future__ import annotations
 
@@ -31,7 +32,35 @@ class TiedMiddle(nn.Module):
         return self.out(torch.tanh(self.mix(self.embed(idx))))
 
 
-MODELS = {"nested_toy": lambda: ToyMLP(with_unused=True), "tied_middle": TiedMiddle}
+class BufferOnly(nn.Module):
+    """Owns a buffer and no parameter (a fixed table, a running statistic); its init draws random numbers, so
+    its place in the init order matters too."""
+
+    def __init__(self, dim: int = 7):
+        super().__init__()
+        self.register_buffer("table", torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.table.normal_()
+
+    def forward(self, x):
+        return x + self.table
+
+
+class WithBufferOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 7)
+        self.pos = BufferOnly(7)
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.pos(self.inp(x))))
+
+
+MODELS = {"nested_toy": lambda: ToyMLP(with_unused=True), "tied_middle": TiedMiddle, "buffer_only": WithBufferOnly}
 
 
 def _materialize(rank, world_size, seed):
@@ -45,6 +74,7 @@ def _materialize(rank, world_size, seed):
         buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
         params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
         out[name] = {"params": params, "after": after, "buffers": buffers,
+                     "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
                      "tied": name != "tied_middle" or model.proj.weight is model.embed.weight,
                      "meta_left": [n for n, t in model.state_dict().items() if t.is_meta]}
     return out
@@ -66,8 +96,11 @@ def test_meta_init_replays_the_rng_exactly():
                 f"{name}: parameter {pname} differs from eager init under the same seed: replay every module's "
                 f"reset_parameters() in module pre-order, tied weights' later owners included (they consumed "
                 f"random numbers in eager init too)")
+        assert set(got["buffers"]) == {k for k, _ in eager.named_buffers()}, f"{name}: buffers {sorted(got['buffers'])}"
         for k, v in eager.named_buffers():
             assert torch.equal(got["buffers"][k], v), f"{name}: buffer {k} differs from eager init"
+        expected_rg = {n: p.requires_grad for n, p in eager.named_parameters()}
+        assert got["requires_grad"] == expected_rg, f"{name}: requires_grad after materialize differs from eager init"
         assert torch.equal(got["after"], after), (
             f"{name}: the random generator ends in another state than after eager init: the replay consumed a "
             f"different amount of random numbers")

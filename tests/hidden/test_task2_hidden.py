@@ -1,6 +1,7 @@
 """Task 2 (hidden): padding and shard boundaries in the corner cases: W divides numel, W exceeds numel (whole
 shards of padding), a tied weight across shard boundaries; shard_range for every parameter. Task 1's meta-device
-init of sharded units (it needs FlatParameters) replays the RNG exactly."""
+init of sharded units (it needs FlatParameters) replays the RNG exactly, keeps frozen shards frozen and
+materializes modules that own only buffers."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 import adapters
 from fsdp_assignment.support.models import TiedModel, ToyMLP
 from tests.harness import run_ranks
-from tests.public.common import describe_flat_params, expected_shard, hand_shard
+from tests.public.common import check_flat_params, describe_flat_params, expected_shard, hand_shard
 
 pytestmark = pytest.mark.task2
 
@@ -116,6 +117,34 @@ class TiedMiddle(nn.Module):
         return self.out(torch.tanh(self.mix(self.embed(idx))))
 
 
+class BufferOnly(nn.Module):
+    """Owns a buffer and no parameter (a fixed table, a running statistic); its init draws random numbers, so
+    its place in the init order matters too."""
+
+    def __init__(self, dim: int = 7):
+        super().__init__()
+        self.register_buffer("table", torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.table.normal_()
+
+    def forward(self, x):
+        return x + self.table
+
+
+class WithBufferOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 7)
+        self.pos = BufferOnly(7)
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.pos(self.inp(x))))
+
+
 def _nested_toy_units(model):
     return [m for b in model.blocks for m in (b.inner, b)] + [model]
 
@@ -124,6 +153,13 @@ MODELS = {
     # inside-out: each block's inner Sequential is a unit, then the block, then the root
     "nested_toy": (lambda: ToyMLP(with_unused=True), _nested_toy_units),
     "tied_middle": (TiedMiddle, lambda m: [m.mix, m]),
+    "buffer_only": (WithBufferOnly, lambda m: [m.out, m]),  # the root unit holds a module with only a buffer
+}
+# The same units by name, for the parent's own model (children first, the root "" last).
+UNIT_PREFIXES = {
+    "nested_toy": [p for i in range(3) for p in (f"blocks.{i}.inner.", f"blocks.{i}.")] + [""],
+    "tied_middle": ["mix.", ""],
+    "buffer_only": ["out.", ""],
 }
 
 
@@ -155,6 +191,10 @@ def test_sharded_meta_init_replays_the_rng_exactly():
         for rank, got in enumerate(results):
             got = got[name]
             assert not got["meta_left"], f"{name}, rank {rank}: still on meta after materialize: {got['meta_left']}"
+            # Not only values: frozen shards (ToyMLP's gates) stay frozen, decided from the parent's own model.
+            check_flat_params(got["flat"], eager, UNIT_PREFIXES[name], f"{name}, rank {rank}, after materialize")
+            assert set(got["buffers"]) == {k for k, _ in eager.named_buffers()}, \
+                f"{name}, rank {rank}: buffers {sorted(got['buffers'])} after materialize"
             for desc in got["flat"]:
                 assert torch.equal(desc["shard"], expected_shard(desc, full)), (
                     f"{name}, rank {rank}: the shard of unit '{desc['prefix'] or '<root>'}' differs from eager "

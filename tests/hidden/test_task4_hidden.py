@@ -1,19 +1,21 @@
 """Task 4 (hidden): gradients accumulate over backward passes (no zero_grad in between), with nested units, frozen
 parameters, a unit that never runs, and padding on W=3; backward really frees full parameters and gradients; a
-forward under torch.no_grad() (evaluation) followed by a training step still gives every parameter its gradient."""
+forward under torch.no_grad() (evaluation) followed by a training step still gives every parameter its gradient;
+a unit whose forward returns several tensors is re-gathered for backward whichever of its outputs the loss uses."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 import adapters
 from fsdp_assignment.support.memory import LiveStorageTracker
 from fsdp_assignment.support.models import GPT, GPTConfig, ToyMLP, gpt_batch, gpt_loss
 from fsdp_assignment.support.state import fsdp_units
 from tests.harness import run_ranks
-from tests.public.common import (assert_close, describe_flat_params, expected_shard, hand_shard, hand_shard_gpt,
-                                 local_batch, unsharded_storage_sizes)
+from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard, hand_shard,
+                                 hand_shard_gpt, local_batch, unsharded_storage_sizes)
 
 pytestmark = pytest.mark.task4
 
@@ -23,6 +25,50 @@ CFG = GPTConfig()
 
 def _inputs(world_size: int, step: int) -> torch.Tensor:
     return torch.randn(BATCH * world_size, 13, generator=torch.Generator().manual_seed(10 + step))
+
+
+class TwoOutputs(nn.Module):
+    """A unit whose forward returns two tensors (and a non-tensor); the caller decides which one it uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.a(x), self.b(x), "tag"
+
+
+class UsesOneOutput(nn.Module):
+    def __init__(self, use: int):
+        super().__init__()
+        self.use = use
+        self.pre = nn.Linear(5, 6)
+        self.two = TwoOutputs()
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        outputs = self.two(torch.tanh(self.pre(x)))
+        return self.head(outputs[self.use])  # the loss depends on this output only
+
+
+MULTI_UNITS = ["two.", ""]
+
+
+def _multi_output_inputs(world_size: int) -> torch.Tensor:
+    return torch.randn(BATCH * world_size, 5, generator=torch.Generator().manual_seed(5))
+
+
+def _multi_output(rank, world_size):
+    out = {}
+    for use in (0, 1):
+        torch.manual_seed(use)
+        model = UsesOneOutput(use)
+        hand_shard(model, [model.two, model])
+        x = _multi_output_inputs(world_size)[BATCH * rank:BATCH * (rank + 1)]
+        model(x).pow(2).mean().backward()
+        out[use] = {"flat": describe_flat_params(model, grads=True), "sizes": unsharded_storage_sizes(model)}
+    return out
 
 
 def _two_backwards(rank, world_size):
@@ -36,7 +82,7 @@ def _two_backwards(rank, world_size):
         model(x).pow(2).mean().backward()
     full_grads_alive = sum(fp.unsharded.grad is not None for u in adapters.fsdp_units(model) for fp in u.flat_params)
     return {"flat": describe_flat_params(model, grads=True), "sizes": unsharded_storage_sizes(model),
-            "full_grads_alive": full_grads_alive}
+            "full_grads_alive": full_grads_alive, "multi_output": _multi_output(rank, world_size)}
 
 
 @pytest.mark.weight(3)
@@ -49,10 +95,12 @@ def test_gradients_accumulate_over_backward_passes():
         model(_inputs(world_size, step)).pow(2).mean().backward()
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
              for n, p in model.named_parameters(remove_duplicate=False)}
+    units = [p for i in range(len(model.blocks)) for p in (f"blocks.{i}.inner.", f"blocks.{i}.")] + ["unused.", ""]
     for rank, got in enumerate(results):
-        for desc in got["flat"]:
+        trainable = check_flat_params(got["flat"], model, units, f"rank {rank}")
+        for desc, is_trainable in zip(got["flat"], trainable):
             unit = desc["prefix"] or "<root>"
-            if not desc["requires_grad"]:
+            if not is_trainable:
                 assert desc["grad"] is None, f"rank {rank}: frozen parameters of {unit} must get no gradient"
                 continue
             expected = expected_shard(desc, grads)
@@ -67,7 +115,25 @@ def test_gradients_accumulate_over_backward_passes():
             pad_from = max(0, desc["numel"] - desc["shard_offset"])
             assert not desc["grad"][pad_from:].any(), f"rank {rank}: gradient padding of {unit} must stay zero"
         assert got["full_grads_alive"] == 0, f"rank {rank}: full (unsharded) gradients alive after backward"
-        assert all(s == 0 for s in got["sizes"]), f"rank {rank}: units still unsharded after backward: {got['sizes']}"
+        assert len(got["sizes"]) == len(got["flat"]) and all(s == 0 for s in got["sizes"]), \
+            f"rank {rank}: units still unsharded after backward: {got['sizes']}"
+    # A unit with several outputs: its pre-backward must run whichever output the loss depends on.
+    for use in (0, 1):
+        torch.manual_seed(use)
+        model = UsesOneOutput(use)
+        model(_multi_output_inputs(world_size)).pow(2).mean().backward()
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+        for rank, got in enumerate(results):
+            got = got["multi_output"][use]
+            where = f"rank {rank}, a unit returning (a, b) whose output {'ab'[use]} alone reaches the loss"
+            check_flat_params(got["flat"], model, MULTI_UNITS, where)
+            for desc in got["flat"]:
+                assert desc["grad"] is not None, f"{where}: unit '{desc['prefix'] or '<root>'}' has no gradient"
+                assert_close(desc["grad"], expected_shard(desc, grads), (
+                    f"{where}: gradient shard of unit '{desc['prefix'] or '<root>'}'. The pre-backward must run when "
+                    f"autograd reaches ANY of the unit's output tensors that require grad, not one chosen in advance"))
+            assert len(got["sizes"]) == len(got["flat"]) and all(s == 0 for s in got["sizes"]), \
+                f"{where}: units still unsharded after backward: {got['sizes']}"
 
 
 def _backward_memory(rank, world_size):
