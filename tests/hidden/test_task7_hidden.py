@@ -1,26 +1,28 @@
-"""Task 7 (hidden): mixed precision gathers in param_dtype and reduces in reduce_dtype; gradient accumulation over
-two optimizer steps (with prefetching); fully_shard(reshard_after_forward=False); gather_full_params on every
-rank."""
+"""Task 7 (hidden): mixed precision gathers in param_dtype and reduces in reduce_dtype (a policy with only
+reduce_dtype too), casts positional and keyword inputs unless cast_forward_inputs=False, and sums gradients
+accumulated without sync in reduce_dtype; gradient accumulation over two optimizer steps (with prefetching)
+communicates no gradient before the synced micro-batch; fully_shard(reshard_after_forward=False) never gathers an
+unsharded unit again; gather_full_params on every rank, from the shards."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, gpt_batch, gpt_loss
 from tests.harness import run_ranks
-from tests.public.common import assert_close, full_params_of, local_batch, train_single_process
+from tests.public.collectives import use_counted_collectives
+from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard, full_params_of,
+                                 local_batch, train_single_process, unit_numels)
 
 pytestmark = pytest.mark.task7
 
 CFG = GPTConfig()
 SGD = dict(lr=0.1, momentum=0.9)
-ALL_GATHERS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base", "all_gather")
-REDUCTIONS = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter",
-              "all_reduce")
+REDUCTIONS = ("reduce_scatter", "reduce_scatter_list", "all_reduce", "reduce")
 
 
 def _shard_gpt(model, **kwargs):
@@ -30,59 +32,110 @@ def _shard_gpt(model, **kwargs):
     return model
 
 
-def _record_collectives(log):
-    """Wrap torch.distributed's gathers and reductions (in this rank) to log (kind, dtype) of each call."""
-    def wrap(name, kind):
-        real = getattr(dist, name)
+class KwargsNet(nn.Module):
+    """Its input arrives as a keyword argument: ``net(x=...)``."""
 
-        def patched(*args, **kwargs):
-            tensors = [a for a in args if isinstance(a, torch.Tensor)] or \
-                [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
-            # the output of a gather (what the forward computes with), the input of a reduction (what is summed)
-            tensor = tensors[0] if kind == "gather" else tensors[-1]
-            log.append((kind, str(tensor.dtype)))
-            return real(*args, **kwargs)
-        return patched
+    def __init__(self):
+        super().__init__()
+        self.lin1 = nn.Linear(5, 8)
+        self.lin2 = nn.Linear(8, 3)
 
-    for names, kind in ((ALL_GATHERS, "gather"), (REDUCTIONS, "reduce")):
-        for name in names:
-            if hasattr(dist, name):
-                setattr(dist, name, wrap(name, kind))
+    def forward(self, *, x):
+        return self.lin2(torch.tanh(self.lin1(x)))
+
+
+class Probe(nn.Module):
+    """Records the dtype of the input its forward receives, and computes in its weight's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.seen: list[str] = []
+
+    def forward(self, x):
+        self.seen.append(str(x.dtype))
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+# Gradient accumulation without sync under param_dtype=bf16, reduce_dtype=fp32: the first micro-batch's gradient
+# is 1, the others' 2^-10 (exact in bf16). Summed in fp32 they add up to 1 + 4 * 2^-10; summed in bf16 each one
+# is lost (the bf16 spacing at 1 is 2^-7), so the sum stays 1.
+ACCUM_INPUTS = [1.0] + [2.0 ** -10] * 4
+
+
+def _accumulation_precision(policy):
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 1, bias=False)
+    adapters.fully_shard(lin, mixed_precision=policy)
+    for micro, value in enumerate(ACCUM_INPUTS):
+        adapters.set_requires_gradient_sync(lin, micro == len(ACCUM_INPUTS) - 1)
+        lin(torch.full((1, 4), value)).float().sum().backward()
+    return describe_flat_params(lin, grads=True)
 
 
 def _mixed_precision(rank, world_size):
+    log = use_counted_collectives(late=True)  # every collective's dtype, however it is called
     out = {}
     policies = {"bf16_params_fp32_reduce": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                "bf16_params_default_reduce": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
-    log: list = []
-    _record_collectives(log)
+                "bf16_params_default_reduce": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                "bf16_reduce_only": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)}
     for name, policy in policies.items():
         torch.manual_seed(0)
         model = _shard_gpt(GPT(CFG), mixed_precision=policy)
         idx, tgt = local_batch(CFG, rank, world_size, 0)
-        log.clear()
+        start = log.mark()
         loss = gpt_loss(model, idx, tgt)
-        forward = list(log)
-        log.clear()
+        middle = log.mark()
         loss.backward()
-        backward = list(log)
-        out[name] = {"forward": forward, "backward": backward,
+        out[name] = {"forward": log.since(start)[:middle - start], "backward": log.since(middle),
                      "shard_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
                      "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})}
-    # Floating-point inputs (GPT's are token ids): the unit casts them to param_dtype (cast_forward_inputs).
+    # Floating-point inputs (GPT's are token ids): the unit casts them to param_dtype (cast_forward_inputs),
+    # positional and keyword arguments alike.
+    bf16 = policies["bf16_params_fp32_reduce"]
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    adapters.fully_shard(net[0], mixed_precision=policies["bf16_params_fp32_reduce"])
-    adapters.fully_shard(net, mixed_precision=policies["bf16_params_fp32_reduce"])
+    adapters.fully_shard(net[0], mixed_precision=bf16)
+    adapters.fully_shard(net, mixed_precision=bf16)
+    torch.manual_seed(0)
+    kw_net = KwargsNet()
+    adapters.fully_shard(kw_net.lin1, mixed_precision=bf16)
+    adapters.fully_shard(kw_net, mixed_precision=bf16)
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
-    try:
-        y = net(x)
-        y.float().pow(2).mean().backward()
-        out["float_inputs"] = {"error": "", "output_dtype": str(y.dtype)}
-    except RuntimeError as e:
-        if isinstance(e, NotImplementedError):
-            raise
-        out["float_inputs"] = {"error": f"{type(e).__name__}: {e}", "output_dtype": ""}
+    for key, call in (("float_inputs", lambda: net(x)), ("kwarg_inputs", lambda: kw_net(x=x))):
+        try:
+            y = call()
+            y.float().pow(2).mean().backward()
+            out[key] = {"error": "", "output_dtype": str(y.dtype)}
+        except RuntimeError as e:
+            if isinstance(e, NotImplementedError):
+                raise
+            out[key] = {"error": f"{type(e).__name__}: {e}", "output_dtype": ""}
+    # cast_forward_inputs=False: the inputs reach forward as they are.
+    seen = {}
+    for cast in (True, False):
+        probe = Probe()
+        adapters.fully_shard(probe, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                         cast_forward_inputs=cast))
+        probe(x)
+        seen[cast] = probe.seen
+    out["cast_forward_inputs"] = seen
+    out["accumulation"] = _accumulation_precision(bf16)
+    # Meta-device init under mixed precision: the same computation as eager init (gathered in bf16).
+    meta = {}
+    for on_meta in (True, False):
+        torch.manual_seed(0)
+        with torch.device("meta" if on_meta else "cpu"):
+            model = GPT(CFG)
+        _shard_gpt(model, mixed_precision=bf16)
+        if on_meta:
+            adapters.materialize_meta_module(model, "cpu")
+        dtypes = []
+        model.blocks[0].mlp.c_fc.register_forward_pre_hook(lambda m, a: dtypes.append(str(m.weight.dtype)))
+        idx, tgt = local_batch(CFG, rank, world_size, 0)
+        gpt_loss(model, idx, tgt).backward()
+        meta[on_meta] = {"dtypes": dtypes, "flat": describe_flat_params(model, grads=True)}
+    out["meta_init"] = meta
     return out
 
 
@@ -90,21 +143,50 @@ def _mixed_precision(rank, world_size):
 def test_mixed_precision_gathers_and_reduces_in_the_right_dtypes():
     expected_reduce = {"bf16_params_fp32_reduce": "torch.float32",
                        "bf16_params_default_reduce": "torch.bfloat16"}  # FSDP2: reduce_dtype defaults to param_dtype
-    for rank, got in enumerate(run_ranks(_mixed_precision, 2)):
-        floats = got.pop("float_inputs")
-        assert not floats["error"], (
-            f"rank {rank}: a model with floating-point inputs fails under param_dtype=bf16: {floats['error']}. "
-            f"The pre-forward casts floating-point inputs to param_dtype (MixedPrecisionPolicy.cast_forward_inputs)")
-        assert floats["output_dtype"] == "torch.bfloat16", \
-            f"rank {rank}: the output of a bf16 unit is {floats['output_dtype']}, expected torch.bfloat16"
+    world_size = 2
+    results = run_ranks(_mixed_precision, world_size)
+    expected_gather = {"bf16_params_fp32_reduce": "torch.bfloat16", "bf16_params_default_reduce": "torch.bfloat16",
+                       "bf16_reduce_only": "torch.float32"}  # no param_dtype: parameters stay fp32
+    expected_reduce["bf16_reduce_only"] = "torch.bfloat16"
+    lin = nn.Linear(4, 1, bias=False)
+    summed = sum(torch.full((4,), v, dtype=torch.float64) for v in ACCUM_INPUTS).float()  # same on every rank
+    for rank, got in enumerate(results):
+        for key, how in (("float_inputs", "positional"), ("kwarg_inputs", "keyword")):
+            floats = got.pop(key)
+            assert not floats["error"], (
+                f"rank {rank}: a model with floating-point {how} inputs fails under param_dtype=bf16: "
+                f"{floats['error']}. The pre-forward casts floating-point inputs to param_dtype, in positional and "
+                f"keyword arguments alike (MixedPrecisionPolicy.cast_forward_inputs)")
+            assert floats["output_dtype"] == "torch.bfloat16", \
+                f"rank {rank}: the output of a bf16 unit is {floats['output_dtype']}, expected torch.bfloat16"
+        seen = got.pop("cast_forward_inputs")
+        assert seen == {True: ["torch.bfloat16"], False: ["torch.float32"]}, (
+            f"rank {rank}: dtypes of the fp32 input the unit's forward received with cast_forward_inputs=True/False: "
+            f"{seen}; expected bf16 with True, the input untouched (fp32) with False")
+        meta = got.pop("meta_init")
+        assert meta[True]["dtypes"] == ["torch.bfloat16"], (
+            f"rank {rank}: after meta-device init of a model sharded with param_dtype=bf16, forward sees "
+            f"{meta[True]['dtypes']} parameters: materialization must keep the unsharded buffers in param_dtype")
+        assert len(meta[True]["flat"]) == len(meta[False]["flat"]) == CFG.n_layer + 1
+        for a, b in zip(meta[True]["flat"], meta[False]["flat"]):
+            assert a["grad"] is not None and b["grad"] is not None and torch.equal(a["grad"], b["grad"]), (
+                f"rank {rank}: unit '{a['prefix'] or '<root>'}': gradients after meta-device init differ from eager "
+                f"init under the same bf16 policy")
+        accumulated = got.pop("accumulation")
+        check_flat_params(accumulated, lin, [""], f"rank {rank}, accumulation")
+        for desc in accumulated:
+            assert_close(desc["grad"], expected_shard(desc, {"weight": summed.view(1, 4)}), (
+                f"rank {rank}: gradient accumulated over {len(ACCUM_INPUTS)} micro-batches without sync under "
+                f"param_dtype=bf16, reduce_dtype=fp32: gradients must be summed in reduce_dtype (fp32), not in the "
+                f"bf16 of the parameters (small micro-batch gradients are lost in a bf16 sum)"), rtol=1e-6)
         for name, g in got.items():
-            gathers = [d for k, d in g["forward"] if k == "gather"]
-            reductions = [d for k, d in g["backward"] if k == "reduce"]
+            gathers = [c["dtype"] for c in g["forward"] if c["kind"] == "all_gather"]
+            reductions = [c["dtype"] for c in g["backward"] if c["kind"] in REDUCTIONS]
             assert gathers and reductions, (
-                f"rank {rank}, {name}: no all-gather in forward or no reduction in backward was seen: call the "
-                f"collectives through the module (dist.all_gather_into_tensor(...), dist.reduce_scatter_tensor(...))")
-            assert set(gathers) == {"torch.bfloat16"}, \
-                f"rank {rank}, {name}: forward all-gathers in {sorted(set(gathers))}; param_dtype is bf16"
+                f"rank {rank}, {name}: no all-gather in forward or no reduction in backward was seen")
+            assert set(gathers) == {expected_gather[name]}, (
+                f"rank {rank}, {name}: forward all-gathers in {sorted(set(gathers))}, expected "
+                f"{expected_gather[name]} (param_dtype; the parameters' own dtype when it is None)")
             assert set(reductions) == {expected_reduce[name]}, (
                 f"rank {rank}, {name}: gradients reduced in {sorted(set(reductions))}, expected "
                 f"{expected_reduce[name]} (reduce_dtype, which defaults to param_dtype)")
@@ -114,15 +196,11 @@ def test_mixed_precision_gathers_and_reduces_in_the_right_dtypes():
 
 
 def _accumulate(rank, world_size, steps, micro_batches):
+    log = use_counted_collectives(late=True)  # every collective, however it is called
     torch.manual_seed(0)
     model = _shard_gpt(GPT(CFG))
     adapters.set_prefetch(model, True)
     optim = adapters.get_sharded_optimizer(model, torch.optim.SGD, **SGD)
-    calls = []
-    for name in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"):
-        if hasattr(dist, name):
-            real = getattr(dist, name)
-            setattr(dist, name, lambda *a, real=real, **k: (calls.append(1), real(*a, **k))[1])
     early = []
     for step in range(steps):
         optim.zero_grad()
@@ -130,10 +208,11 @@ def _accumulate(rank, world_size, steps, micro_batches):
             sync = micro == micro_batches - 1
             adapters.set_requires_gradient_sync(model, sync)
             idx, tgt = local_batch(CFG, rank, world_size, step * micro_batches + micro)
-            before = len(calls)
+            before = log.mark()
             gpt_loss(model, idx, tgt).backward()
-            if not sync and len(calls) != before:
-                early.append((step, micro, len(calls) - before))
+            if not sync:
+                # Re-gathering parameters is expected; communicating gradients is not.
+                early += [(step, micro, c["kind"]) for c in log.since(before) if c["kind"] not in ("all_gather", "barrier")]
         optim.step()
     return {"params": adapters.gather_full_params(model), "early": early}
 
@@ -152,8 +231,9 @@ def test_gradient_accumulation_over_two_steps_with_prefetch():
             gpt_loss(model, idx, tgt).backward()
         optim.step()
     for rank, got in enumerate(results):
-        assert got["early"] == [], (f"rank {rank}: reduce-scatters during backward passes without gradient sync "
-                                    f"(step, micro-batch, count): {got['early']}")
+        assert got["early"] == [], (f"rank {rank}: gradients communicated during backward passes without gradient "
+                                    f"sync (step, micro-batch, collective): {got['early']}; with "
+                                    f"set_requires_gradient_sync(False) no reduction of any kind may run")
         for name, p in full_params_of(model).items():
             assert_close(got["params"][name], p, (
                 f"rank {rank}: {name} after {steps} steps of {micro_batches} accumulated micro-batches (with "
@@ -161,6 +241,7 @@ def test_gradient_accumulation_over_two_steps_with_prefetch():
 
 
 def _no_reshard(rank, world_size):
+    log = use_counted_collectives(late=True)
     torch.manual_seed(0)
     model = GPT(CFG)
     for block in model.blocks:
@@ -168,17 +249,23 @@ def _no_reshard(rank, world_size):
     adapters.fully_shard(model)
     units = [b._fsdp_unit for b in model.blocks]
     optim = adapters.get_sharded_optimizer(model, torch.optim.SGD, **SGD)
-    sizes = []
+    sizes, calls = [], []
     for step in range(2):
         idx, tgt = local_batch(CFG, rank, world_size, step)
         optim.zero_grad()
+        start = log.mark()
         loss = gpt_loss(model, idx, tgt)
         after_forward = [fp.unsharded.untyped_storage().size() for u in units for fp in u.flat_params]
+        middle = log.mark()
         loss.backward()
         after_backward = [fp.unsharded.untyped_storage().size() for u in units for fp in u.flat_params]
         sizes.append((after_forward, after_backward))
+        calls.append((log.since(start)[:middle - start], log.since(middle)))
         optim.step()
-    return {"sizes": sizes, "params": adapters.gather_full_params(model)}
+    before_gather = log.mark()
+    params = adapters.gather_full_params(model)
+    return {"sizes": sizes, "calls": calls, "params": params, "gather_calls": log.since(before_gather),
+            "shard_numels": [p.numel() for p in model.parameters()], "flat": describe_flat_params(model)}
 
 
 @pytest.mark.weight(2)
@@ -186,14 +273,41 @@ def test_reshard_after_forward_false_via_fully_shard():
     world_size = 2
     results = run_ranks(_no_reshard, world_size)
     expected = train_single_process(CFG, world_size, 2, torch.optim.SGD, **SGD)
+    units = [f"blocks.{i}." for i in range(CFG.n_layer)] + [""]
+    numels = unit_numels(expected, units)
+    shard = {k: -(-n // world_size) for k, n in numels.items()}  # each unit's shard, from the parent's model
+    full = full_params_of(expected)
     for rank, got in enumerate(results):
         for step, (after_forward, after_backward) in enumerate(got["sizes"]):
+            assert len(after_forward) == len(after_backward) == CFG.n_layer, \
+                f"rank {rank}, step {step}: expected one FlatParameter per block, got {len(after_forward)}"
             assert all(s > 0 for s in after_forward), (
                 f"rank {rank}, step {step}: blocks made with fully_shard(block, reshard_after_forward=False) must "
                 f"stay unsharded after forward (storage sizes {after_forward})")
             assert all(s == 0 for s in after_backward), \
                 f"rank {rank}, step {step}: every unit must be resharded after backward ({after_backward})"
-        assert set(got["params"]) == set(full_params_of(expected)), \
+            forward, backward = got["calls"][step]
+            fwd = sorted(c["numel"] for c in forward if c["kind"] == "all_gather")
+            assert fwd == sorted(shard.values()), (
+                f"rank {rank}, step {step}: forward all-gathered shards of {fwd} elements; expected every unit once "
+                f"({sorted(shard.values())})")
+            block_gathers = [c["numel"] for c in backward if c["kind"] == "all_gather" and c["numel"] != shard[""]]
+            assert not block_gathers, (
+                f"rank {rank}, step {step}: backward all-gathered {block_gathers} elements again although the blocks "
+                f"stayed unsharded after forward (reshard_after_forward=False): a unit that is unsharded already "
+                f"must not be gathered again")
+        check_flat_params(got["flat"], expected, units, f"rank {rank}")
+        assert sum(got["shard_numels"]) == sum(shard.values()), (
+            f"rank {rank}: this rank's parameters hold {sum(got['shard_numels'])} elements, a shard of every unit "
+            f"holds {sum(shard.values())}")
+        for desc in got["flat"]:
+            assert_close(desc["shard"], expected_shard(desc, full), f"rank {rank}: shard of '{desc['prefix'] or '<root>'}'")
+        gathered = [c for c in got["gather_calls"] if c["kind"] != "barrier"]
+        assert gathered and all(c["kind"] in ("all_gather", "all_gather_list") for c in gathered) and \
+            sum(c["numel"] for c in gathered) == sum(shard.values()), (
+            f"rank {rank}: gather_full_params must build the full parameters from every rank's shard (an "
+            f"all-gather of this rank's {sum(shard.values())} elements); it communicated {gathered}")
+        assert set(got["params"]) == set(full), \
             f"rank {rank}: gather_full_params must give every parameter, under each of its names, on every rank"
-        for name, p in full_params_of(expected).items():
+        for name, p in full.items():
             assert_close(got["params"][name], p, f"rank {rank}: {name} after 2 SGD steps (reshard_after_forward=False)")
