@@ -77,9 +77,12 @@ def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 def get_model_state_dict(module: nn.Module, *, full: bool) -> dict[str, torch.Tensor]:
     """The model's state dict under original names; ``full``: gathered on rank 0, else this rank's pieces."""
     out: dict[str, torch.Tensor] = {}
+    keep = not full or dist.get_rank() == 0  # other ranks join every gather but keep nothing: rank 0's state
     for prefix, flat_param in named_flat_params(module):
         if full:
-            out.update({prefix + name: t for name, t in gather_full(flat_param).items()})
+            gathered = gather_full(flat_param)
+            if keep:
+                out.update({prefix + name: t for name, t in gathered.items()})
         else:
             for name in flat_param.param_names:
                 start, end, at = flat_param.shard_range(name)
@@ -124,9 +127,11 @@ def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
                         state[prefix + name][key] = value.clone() if isinstance(value, torch.Tensor) else value
                 elif full:
                     # Optimizer state is laid out like the shard, so it gathers and splits like the parameters.
+                    # Only rank 0 keeps it: the others would otherwise hold the whole model's state at once.
                     gathered = gather_full(flat_param, value)
-                    for name in flat_param.param_names:
-                        state[prefix + name][key] = gathered[name]
+                    if dist.get_rank() == 0:
+                        for name in flat_param.param_names:
+                            state[prefix + name][key] = gathered[name]
                 else:
                     for name in flat_param.param_names:
                         start, end, at = flat_param.shard_range(name)
