@@ -5,7 +5,10 @@ A model too big for one device cannot be built eagerly and then sharded. Instead
 and then materialized here: module by module, in the order eager init ran, so that
 
 - every parameter and buffer is bitwise identical to eager init under the same seed: the random number
-  generator is *replayed*, consuming exactly the numbers eager init consumed, in the same order; and
+  generator is *replayed*, consuming exactly the numbers eager init consumed, in the same order (modules
+  that own only buffers included); and
+- everything else stays as it was: a parameter's ``requires_grad`` (frozen stays frozen, sharded or not),
+  an FSDP unit's unsharded buffer's dtype (``param_dtype`` under mixed precision); and
 - for sharded units, each module's full parameters exist only while that module is initialized: its
   slice is copied into the unit's shard and the full tensor is dropped. So at most one unit's full
   parameters (in fact one module's) exist at any time.

@@ -132,7 +132,8 @@ class BackwardHooks(ForwardHooks):
 
     def finalize_backward(self, shared: SharedState) -> None:
         """Autograd's final callback, the backstop: run ``self.post_backward`` for every unit that is still
-        unsharded or holds an ``unsharded.grad`` (its post-backward autograd never ran: no input required
+        unsharded, has a prefetched all-gather in flight (a unit prefetched by the recorded order that then did
+        not run) or holds an ``unsharded.grad`` (its post-backward autograd never ran: no input required
         grad, its output was detached, or it ran forward but not backward), then ``self.wait_for_reductions``,
         then mark every unit IDLE and clear ``shared.backward_callback_queued``. Units in reverse module
         pre-order, roughly the order backward reaches them."""

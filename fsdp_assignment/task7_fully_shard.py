@@ -68,8 +68,9 @@ def lazy_init(root: FSDPUnit) -> None:
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
-    """With False, backward keeps accumulating full (unsharded) gradients and skips the reduce-scatter,
-    for gradient accumulation over micro-batches; the next backward with True reduces the sum."""
+    """With False, backward keeps accumulating full (unsharded) gradients and communicates no gradient at all
+    (no reduce-scatter, no all-reduce), for gradient accumulation over micro-batches; the next backward with
+    True reduces the sum."""
     raise NotImplementedError("Task 7: implement set_requires_gradient_sync() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
 

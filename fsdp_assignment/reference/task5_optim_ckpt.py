@@ -18,7 +18,10 @@ Formats (``fqn`` = original parameter name relative to the module passed in):
 - optimizer, full:  {"state": {fqn: {key: full tensor or scalar}}, "param_groups": [{..., "params": [fqn]}]}
                     on rank 0, {} elsewhere.
 - optimizer, sharded: same layout, tensors as this rank's 1-D pieces, on every rank.
-Loading a full state dict: pass the same full dict on every rank.
+Loading a full state dict: pass the same full dict on every rank. Loading restores everything the dict holds,
+buffers and the optimizer's hyperparameters (each param group's lr, weight decay, ...) included, as
+``torch.optim.Optimizer.load_state_dict`` does. A full state dict exists on rank 0 only: the other ranks take
+part in every gather but keep none of it, so they never hold more than one unit's gathered state at a time.
 """
 
 from __future__ import annotations
@@ -144,7 +147,8 @@ def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
 def set_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict, *,
                              full: bool) -> None:
     """Load an optimizer state dict made by ``get_optimizer_state_dict`` into ``optimizer`` (built over this
-    module's shards by ``get_sharded_optimizer``); ``full``: the same full dict on every rank."""
+    module's shards by ``get_sharded_optimizer``); ``full``: the same full dict on every rank. The saved
+    param groups' hyperparameters (lr, weight decay, ...) replace the optimizer's own."""
     owners = _flat_param_of_shards(module)
     torch_state, torch_groups, index = {}, [], 0
     for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):

@@ -129,8 +129,9 @@ def lazy_init(root: FSDPUnit) -> None:
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
-    """With False, backward keeps accumulating full (unsharded) gradients and skips the reduce-scatter,
-    for gradient accumulation over micro-batches; the next backward with True reduces the sum."""
+    """With False, backward keeps accumulating full (unsharded) gradients and communicates no gradient at all
+    (no reduce-scatter, no all-reduce), for gradient accumulation over micro-batches; the next backward with
+    True reduces the sum."""
     for unit in fsdp_units(module):
         unit.requires_gradient_sync = requires_gradient_sync
 
