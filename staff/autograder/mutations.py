@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KILL_RATE_REQUIRED = 0.95
+KILL_RATE_REQUIRED = 1.0  # every mutant killed (issue 13)
 
 TASK_FILES = {1: "task1_meta_init.py", 2: "task2_flat_param.py", 3: "task3_forward.py",
               4: "task4_backward.py", 5: "task5_optim_ckpt.py", 6: "task6_prefetch.py",
@@ -237,7 +237,145 @@ MUTANTS: list[Mutant] = [
            "        if False:\n",
            "silently flattens a weight tied to a child unit's a second time (unties it)",
            "tied weights updated twice, or once on the wrong rank"),
+    # ---- gradetests (issue 13 / 14): state beyond values, mixed precision, several outputs, late collectives,
+    # wasted communication, checkpoints, no-sync cheats. Each seeds one of the issue's areas (see CATEGORIES).
+    Mutant("g01", 1, "                         requires_grad=flat_param.shard.requires_grad)",
+           "                         )",
+           "materializes a sharded unit's shard as a new Parameter without its requires_grad: frozen shards train"),
+    Mutant("g02", 1, "            fresh = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), "
+                     "requires_grad=p.requires_grad)",
+           "            fresh = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device))",
+           "materializes an unsharded module's parameters without their requires_grad: frozen parameters train",
+           "", "test_meta_init_replays_the_rng_exactly"),
+    Mutant("g03", 1, "        if not (own_params or own_buffers or owned):",
+           "        if not (own_params or owned):",
+           "skips modules that own only buffers: their buffers stay on meta and their init draws no random numbers",
+           "", "test_sharded_meta_init_replays_the_rng_exactly"),
+    Mutant("g04", 1, "    unsharded = torch.empty(flat_param.padded_numel, dtype=flat_param.unsharded.dtype, device=device)",
+           "    unsharded = torch.empty(flat_param.padded_numel, dtype=flat_param.shard.dtype, device=device)",
+           "re-creates the unsharded buffer in the shard's dtype: after meta init, mixed precision gathers fp32",
+           "", "test_mixed_precision_gathers_and_reduces_in_the_right_dtypes"),
+    Mutant("g05", 3, "    return _cast_floating(args, unit.param_dtype), _cast_floating(kwargs, unit.param_dtype)",
+           "    return _cast_floating(args, unit.param_dtype), kwargs",
+           "casts positional inputs to param_dtype but not keyword inputs",
+           "", "test_mixed_precision_gathers_and_reduces_in_the_right_dtypes"),
+    Mutant("g06", 3, "    if unit.pending_unshard:\n        for work in unit.pending_unshard:\n            work.wait()\n",
+           "    if unit.pending_unshard:\n",
+           "uses a prefetched all-gather's buffer without waiting on its handle (passes on gloo by luck)",
+           "", "test_prefetch_gathers_each_unit_once_and_finishes_every_reduction"),
+    Mutant("g07", 3, "    elif unit.sharded_state == ShardedState.SHARDED:\n        for flat_param in unit.flat_params:\n"
+                     "            unshard(",
+           "    else:\n        for flat_param in unit.flat_params:\n            unshard(",
+           "all-gathers a unit again although it is unsharded already (reshard_after_forward=False, backward)",
+           "", "test_reshard_after_forward_false_via_fully_shard"),
+    Mutant("g08", 4, "            tensors = [t for t in _flatten_tensors(output) if t.requires_grad]",
+           "            tensors = [t for t in _flatten_tensors(output)[:1] if t.requires_grad]",
+           "the pre-backward hook watches only a unit's first output; a loss using another output skips it",
+           "", "test_gradients_accumulate_over_backward_passes"),
+    Mutant("g09", 4, "            flat_param.unsynced_grad = grad\n",
+           "            dist.all_reduce(grad)\n            grad.div_(dist.get_world_size())\n"
+           "            flat_param.unsynced_grad = grad\n",
+           "set_requires_gradient_sync(False) still all-reduces every micro-batch (same values, wasted traffic)"),
+    Mutant("g10", 4, "            grad = flat_param.unsynced_grad.add_(grad)\n",
+           "            grad = flat_param.unsynced_grad.to(flat_param.unsharded.dtype).add_("
+           "grad.to(flat_param.unsharded.dtype)).to(grad.dtype)\n",
+           "sums gradients accumulated without sync in the parameters' bf16 instead of reduce_dtype",
+           "", "test_mixed_precision_gathers_and_reduces_in_the_right_dtypes"),
+    Mutant("g11", 4, "    work = _reduce_scatter_single(grad_shard, unsharded_grad.contiguous(), group, async_op)",
+           "    full = unsharded_grad.contiguous() / dist.get_world_size(group)\n"
+           "    dist.all_reduce(full, group=group)\n"
+           "    grad_shard.copy_(full.narrow(0, flat_param.shard_offset, flat_param.shard_numel))\n"
+           "    work = dist.barrier(group=group, async_op=True) if async_op else None",
+           "all-reduces the whole gradient and keeps its slice (DDP traffic, same values) instead of reduce-scatter"),
+    Mutant("g12", 5, "        torch_groups.append({**{k: v for k, v in saved_group.items() if k != \"params\"}, "
+                     "\"params\": ids})",
+           "        torch_groups.append({**{k: v for k, v in group.items() if k != \"params\"}, \"params\": ids})",
+           "loading an optimizer checkpoint keeps the new optimizer's lr/weight decay instead of the saved ones"),
+    Mutant("g13", 5, "    for k, v in _buffers(module).items():\n        v.copy_(state_dict[k])",
+           "    for k, v in _buffers(module).items():\n        pass",
+           "loading a model state dict restores the parameters but not the buffers",
+           "", "test_resume_keeps_padding_zero_and_matches"),
+    Mutant("g14", 5, "                    if dist.get_rank() == 0:\n",
+           "                    if True:\n",
+           "the full optimizer state is built on every rank (then dropped): the whole state in memory everywhere",
+           "", "test_resume_keeps_padding_zero_and_matches"),
+    Mutant("g15", 5, "    keep = not full or dist.get_rank() == 0",
+           "    keep = True",
+           "the full model state dict is built on every rank (then dropped): the whole model in memory everywhere",
+           "", "test_resume_keeps_padding_zero_and_matches"),
+    Mutant("g16", 6, "        if shared.recording_order:\n            shared.forward_order = shared.recording_order",
+           "        if shared.recording_order and not shared.forward_order:\n"
+           "            shared.forward_order = shared.recording_order",
+           "learns the forward order once and never again: a changed order prefetches the wrong units",
+           "", "test_prefetch_follows_a_changed_order_and_frees_units_that_never_run"),
+    Mutant("g17", 6, "    def pre_backward(self, unit: FSDPUnit) -> None:\n"
+                     "        \"\"\"Task 4's ``pre_backward``, then, with prefetching on, ``prefetch_backward(unit)``.\"\"\"\n"
+                     "        super().pre_backward(unit)\n",
+           "    def post_backward(self, unit: FSDPUnit) -> None:\n"
+           "        super().post_backward(unit)\n",
+           "issues the backward prefetch after the unit's backward instead of before it: too late to overlap"),
+    Mutant("g18", 6, "        super().pre_backward(unit)\n        if unit.shared.prefetch:\n            prefetch_backward(unit)\n",
+           "        super().pre_backward(unit)\n",
+           "never prefetches in backward: every unit is gathered synchronously when its backward starts"),
+    Mutant("g19", 4, "            if unit.sharded_state == ShardedState.UNSHARDED or unit.pending_unshard or any(",
+           "            if unit.sharded_state == ShardedState.UNSHARDED or any(",
+           "a unit prefetched but never run stays allocated after backward (and later serves stale parameters)",
+           "", "test_prefetch_follows_a_changed_order_and_frees_units_that_never_run"),
+    Mutant("g20", 6, "    work.wait()\n    accumulate_shard_grad(flat_param, grad_shard)",
+           "    accumulate_shard_grad(flat_param, grad_shard)",
+           "adds an async reduce-scatter's output to the gradient without waiting on its handle",
+           "", "test_prefetch_gathers_each_unit_once_and_finishes_every_reduction"),
+    Mutant("g21", 7, "                    reduce_dtype=(mp.reduce_dtype or param_dtype) if mp is not None else None,",
+           "                    reduce_dtype=(mp.reduce_dtype or param_dtype) if param_dtype is not None else None,",
+           "a policy with only reduce_dtype (no param_dtype) is ignored: gradients reduced in fp32",
+           "", "test_mixed_precision_gathers_and_reduces_in_the_right_dtypes"),
+    Mutant("g22", 7, "                    cast_forward_inputs=mp.cast_forward_inputs if mp is not None else True)",
+           "                    cast_forward_inputs=True)",
+           "ignores cast_forward_inputs=False: inputs are cast to param_dtype anyway",
+           "", "test_mixed_precision_gathers_and_reduces_in_the_right_dtypes"),
+    Mutant("g23", 4, "                flat_param.unsharded.grad = None\n                self.reduce_grad(",
+           "                self.reduce_grad(",
+           "keeps the full flat gradient after reducing it: a full gradient per unit stays alive after backward",
+           "", "test_backward_really_frees_full_parameters_and_gradients"),
 ]
+
+
+# ---- what kind of bug each mutant seeds --------------------------------------------------------------------
+# The report groups mutants per task and per kind, so that it says which kinds of bug the suite is shown to
+# catch for each task (and which kinds no mutant probes yet). Every mutant has exactly one kind.
+KINDS = {
+    "layout": "padding, shard boundaries, flattening",
+    "rng": "meta init's RNG replay",
+    "state": "state beyond values: requires_grad, buffers, dtypes of buffers",
+    "grad-math": "gradient arithmetic: mean vs sum, accumulation, clipping",
+    "precision": "mixed precision: param/reduce dtype, input casts",
+    "accumulation": "gradient accumulation without sync",
+    "lifecycle": "unit life cycle: gather, reshard, hooks, several outputs",
+    "async": "async correctness: handles not waited on, ordering",
+    "waste": "wasted communication: needless, late or missing gathers, traffic every micro-batch",
+    "memory": "memory: storage not freed, state replicated instead of sharded",
+    "ownership": "ownership and tied weights",
+    "checkpoint": "checkpoints: state dicts and resume",
+    "contract": "errors and contracts: what must be refused",
+}
+KIND_OF: dict[str, str] = {
+    "m01": "rng", "m02": "rng", "m03": "ownership", "m04": "memory", "m05": "contract", "m06": "state",
+    "m07": "layout", "m08": "layout", "m09": "layout", "m10": "ownership", "m11": "memory", "m12": "layout",
+    "m13": "lifecycle", "m14": "lifecycle", "m15": "precision", "m16": "precision", "m17": "grad-math",
+    "m18": "lifecycle", "m19": "layout", "m20": "async", "m21": "grad-math", "m22": "precision",
+    "m23": "accumulation", "m24": "accumulation", "m25": "lifecycle", "m26": "grad-math", "m27": "grad-math",
+    "m28": "memory", "m29": "checkpoint", "m30": "checkpoint", "m31": "checkpoint", "m32": "memory",
+    "m33": "waste", "m34": "async", "m35": "ownership", "m36": "precision", "m37": "accumulation",
+    "m38": "lifecycle", "m39": "ownership",
+    "g01": "state", "g02": "state", "g03": "state", "g04": "state", "g05": "precision", "g06": "async",
+    "g07": "waste", "g08": "lifecycle", "g09": "waste", "g10": "precision", "g11": "waste", "g12": "checkpoint",
+    "g13": "checkpoint", "g14": "memory", "g15": "memory", "g16": "waste", "g17": "waste", "g18": "waste",
+    "g19": "memory", "g20": "async", "g21": "precision", "g22": "precision", "g23": "memory",
+}
+
+
+def kind_of(mutant: Mutant) -> str:
+    return KIND_OF.get(mutant.id, "?")
 
 
 # ---- applying ------------------------------------------------------------------------------------------
@@ -344,12 +482,31 @@ def run_all(mutants: list[Mutant], workers: int = 2, root: Path = ROOT, log=prin
 
 def report(outcomes: list[Outcome]) -> str:
     killed = [o for o in outcomes if o.killed]
-    lines = [f"{'mutant':<6} {'task':<4} {'result':<8} {'seconds':>7}  killer / bug"]
+    lines = [f"{'mutant':<6} {'task':<4} {'kind':<12} {'result':<8} {'seconds':>7}  killer / bug"]
     for o in outcomes:
-        lines.append(f"{o.mutant.id:<6} {o.mutant.task:<4} {'killed' if o.killed else 'SURVIVED':<8} "
-                     f"{o.seconds:7.1f}  {o.killer if o.killed else o.mutant.bug}")
+        lines.append(f"{o.mutant.id:<6} {o.mutant.task:<4} {kind_of(o.mutant):<12} "
+                     f"{'killed' if o.killed else 'SURVIVED':<8} {o.seconds:7.1f}  "
+                     f"{o.killer if o.killed else o.mutant.bug}")
     rate = len(killed) / len(outcomes) if outcomes else 0.0
     lines.append(f"kill rate {len(killed)}/{len(outcomes)} = {rate:.1%} (required {KILL_RATE_REQUIRED:.0%})")
+    return "\n".join(lines) + "\n\n" + coverage_table(outcomes)
+
+
+def coverage_table(outcomes: list[Outcome]) -> str:
+    """Per task (rows) and kind of bug (columns): killed/seeded mutants; '.' where no mutant probes it."""
+    kinds = [k for k in KINDS if any(kind_of(o.mutant) == k for o in outcomes)]
+    kinds += sorted({kind_of(o.mutant) for o in outcomes} - set(kinds))
+    width = max([len(k) for k in kinds] + [5])
+    lines = ["which kinds of bug the suite is shown to catch (killed/seeded mutants per task and kind):",
+             "task  " + " ".join(f"{k:>{width}}" for k in kinds) + f" {'all':>{width}}"]
+    for task in sorted({o.mutant.task for o in outcomes}):
+        cells = []
+        mine = [o for o in outcomes if o.mutant.task == task]
+        for k in kinds + ["all"]:
+            group = [o for o in mine if k == "all" or kind_of(o.mutant) == k]
+            cells.append(f"{sum(o.killed for o in group)}/{len(group)}" if group else ".")
+        lines.append(f"{task:<5} " + " ".join(f"{c:>{width}}" for c in cells))
+    lines.append("kinds: " + "; ".join(f"{k}: {KINDS.get(k, '?')}" for k in kinds))
     return "\n".join(lines)
 
 
@@ -363,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     mutants = [m for m in MUTANTS if args.only is None or m.id in args.only]
     if args.list:
         for m in mutants:
-            print(f"{m.id} task {m.task}: {m.bug}" + (f"  [issue: {m.issue_bug}]" if m.issue_bug else "")
+            print(f"{m.id} task {m.task} [{kind_of(m)}]: {m.bug}" + (f"  [issue: {m.issue_bug}]" if m.issue_bug else "")
                   + (f"  [target: {m.target}]" if m.target else ""))
         return 0
     for m in mutants:
@@ -373,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report(outcomes))
     print(f"wall time {time.monotonic() - start:.1f} s with {args.workers} workers")
     if args.json:
-        args.json.write_text(json.dumps([{"id": o.mutant.id, "task": o.mutant.task, "killed": o.killed,
+        args.json.write_text(json.dumps([{"id": o.mutant.id, "task": o.mutant.task, "kind": kind_of(o.mutant),
+                                          "killed": o.killed,
                                           "killer": o.killer, "seconds": round(o.seconds, 1), "bug": o.mutant.bug,
                                           "detail": o.detail} for o in outcomes], indent=1))
     rate = sum(o.killed for o in outcomes) / len(outcomes) if outcomes else 0.0

@@ -106,7 +106,7 @@ def _reorder(rank, world_size):
     log = use_counted_collectives(late=True)
     torch.manual_seed(0)
     model = ReorderedGPT(CFG)
-    root = hand_shard_gpt(model)
+    root = hand_shard_gpt(model, hooks=6)
     root.shared.prefetch = True
     units = adapters.fsdp_units(model)
     blocks = [b._fsdp_unit for b in model.blocks]

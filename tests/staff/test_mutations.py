@@ -1,9 +1,9 @@
 """The mutation self-test (staff/autograder/mutations.py) in CI.
 
-Fast: every mutant still applies to the current reference (one exact edit) and compiles; together they seed every
+Fast: every mutant still applies to the current reference (one exact edit), compiles and has a kind of bug; together they seed every
 bug the autograder issue names; every hidden test is the target of some mutant.
 
-Slow (a few minutes, 2 workers): the public + hidden suite kills at least 95% of the mutants, every mutant
+Slow (a few minutes, 2 workers): the public + hidden suite kills every mutant (KILL_RATE_REQUIRED), every mutant
 that seeds one of the issue's bugs among them, and each hidden test is the one that kills at least one of its
 target mutants (it runs first for them), i.e. every hidden test is shown to catch a real bug.
 """
@@ -39,6 +39,8 @@ def test_mutants_apply_and_cover_the_issue():
     for m in mutations.MUTANTS:
         mutations.mutated_files(m)  # raises when the edit no longer matches the reference, or does not compile
         assert m.issue_bug in ("", *mutations.ISSUE_BUGS), f"{m.id}: unknown issue bug {m.issue_bug!r}"
+    unkinded = [m.id for m in mutations.MUTANTS if mutations.kind_of(m) not in mutations.KINDS]
+    assert not unkinded, f"mutants without a kind of bug (add them to mutations.KIND_OF): {unkinded}"
     seeded = {m.issue_bug for m in mutations.MUTANTS}
     assert set(mutations.ISSUE_BUGS) <= seeded, f"not seeded: {set(mutations.ISSUE_BUGS) - seeded}"
     targets = {m.target for m in mutations.MUTANTS if m.target}
