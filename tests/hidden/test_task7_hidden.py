@@ -22,7 +22,7 @@ pytestmark = pytest.mark.task7
 
 CFG = GPTConfig()
 SGD = dict(lr=0.1, momentum=0.9)
-REDUCTIONS = ("reduce_scatter", "reduce_scatter_list", "all_reduce", "reduce")
+REDUCTIONS = ("reduce_scatter", "all_reduce", "reduce")
 
 
 def _shard_gpt(model, **kwargs):
@@ -303,7 +303,7 @@ def test_reshard_after_forward_false_via_fully_shard():
         for desc in got["flat"]:
             assert_close(desc["shard"], expected_shard(desc, full), f"rank {rank}: shard of '{desc['prefix'] or '<root>'}'")
         gathered = [c for c in got["gather_calls"] if c["kind"] != "barrier"]
-        assert gathered and all(c["kind"] in ("all_gather", "all_gather_list") for c in gathered) and \
+        assert gathered and all(c["kind"] == "all_gather" for c in gathered) and \
             sum(c["numel"] for c in gathered) == sum(shard.values()), (
             f"rank {rank}: gather_full_params must build the full parameters from every rank's shard (an "
             f"all-gather of this rank's {sum(shard.values())} elements); it communicated {gathered}")

@@ -39,14 +39,15 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 BACKEND_NAME = "fsdp_test_counted"
 
-# The kinds a record may have. "Communication" in the tests' sense is all of them but "barrier".
-GATHERS = ("all_gather", "all_gather_list")
-REDUCTIONS = ("reduce_scatter", "reduce_scatter_list", "all_reduce", "reduce")
+# The kinds a record may have. An all-gather (reduce-scatter) into a list of tensors is recorded as "all_gather"
+# ("reduce_scatter") too: the tests count what moves, not how the call is spelled.
+GATHERS = ("all_gather",)
+REDUCTIONS = ("reduce_scatter", "all_reduce", "reduce")
 
 
 @dataclass(frozen=True)
 class Call:
-    kind: str        # all_gather, reduce_scatter, all_reduce, broadcast, all_gather_list, barrier, ...
+    kind: str        # all_gather, reduce_scatter, all_reduce, broadcast, barrier, reduce, gather, ...
     numel: int       # elements of the tensor each rank contributes (all-gather: its input; reduce: its input)
     dtype: str       # that tensor's dtype, e.g. "torch.float32"
     async_op: bool   # did the caller ask for an asynchronous handle?
@@ -146,8 +147,9 @@ class CountedProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     # ---- helpers ---------------------------------------------------------------------------------------------
-    def _record(self, kind: str, tensor: torch.Tensor | None, opts, output: torch.Tensor | None = None) -> None:
-        numel = int(tensor.numel()) if tensor is not None else 0
+    def _record(self, kind: str, tensor: torch.Tensor | None, opts, output: torch.Tensor | None = None,
+                numel: int | None = None) -> None:
+        numel = numel if numel is not None else int(tensor.numel()) if tensor is not None else 0
         dtype = str(tensor.dtype) if tensor is not None else ""
         self.log.add(Call(kind, numel, dtype, bool(getattr(opts, "asyncOp", True))), output)
 
@@ -203,7 +205,10 @@ class CountedProcessGroup(dist.ProcessGroup):
         return self._late(list(tensors), run)
 
     def allgather(self, output_lists, input_list, opts):
-        self._record("all_gather_list", input_list[0] if input_list else None, opts)
+        # Recorded like an all-gather into one tensor (its output: the first output tensor, whose storage is the
+        # buffer gathered into when the outputs are views of one buffer).
+        first_out = output_lists[0][0] if output_lists and output_lists[0] else None
+        self._record("all_gather", input_list[0] if input_list else None, opts, first_out)
         if not self.late:
             return self.inner.allgather(output_lists, input_list, opts)
         srcs = [self._snapshot(t) for t in input_list]
@@ -215,7 +220,9 @@ class CountedProcessGroup(dist.ProcessGroup):
         return self._late(flat, run)
 
     def reduce_scatter(self, outputs, input_lists, opts):
-        self._record("reduce_scatter_list", input_lists[0][0] if input_lists and input_lists[0] else None, opts)
+        # Recorded like a reduce-scatter of one tensor: the elements this rank contributes (all its chunks).
+        first = input_lists[0] if input_lists and input_lists[0] else []
+        self._record("reduce_scatter", first[0] if first else None, opts, numel=sum(int(t.numel()) for t in first))
         if not self.late:
             return self.inner.reduce_scatter(outputs, input_lists, opts)
         srcs = [[self._snapshot(t) for t in lst] for lst in input_lists]
@@ -257,7 +264,7 @@ class CountedProcessGroup(dist.ProcessGroup):
         return self.inner.allreduce_coalesced(tensors, opts)
 
     def allgather_coalesced(self, output_lists, input_list, opts):
-        self._record("all_gather_list", input_list[0] if input_list else None, opts)
+        self._record("all_gather", input_list[0] if input_list else None, opts)
         return self.inner.allgather_coalesced(output_lists, input_list, opts)
 
     def send(self, tensors, dst, tag):

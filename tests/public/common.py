@@ -179,7 +179,7 @@ def check_sharded_training(calls: list[dict], shard_numels: list[int], model: nn
     assert sum(shard_numels) == shard_total, (
         f"{where}: this rank's parameters hold {sum(shard_numels)} elements; a sharded model holds "
         f"{shard_total} (each unit's padded elements / W). Keep only this rank's shard of every unit")
-    kinds = sorted({c["kind"] for c in calls} - {"all_gather", "reduce_scatter"})
+    kinds = sorted({c["kind"] for c in calls} - {"all_gather", "reduce_scatter", "barrier"})
     assert not kinds, f"{where}: training communicated with {kinds}; FSDP needs only all-gathers and reduce-scatters"
     gathered = sum(c["numel"] for c in calls if c["kind"] == "all_gather")
     block_shards = sum(padded[k] // world_size for k in padded if k)

@@ -83,7 +83,7 @@ def test_training_matches_single_process_and_torch_fsdp2(backend, world_size):
             continue  # NCCL: collectives are not counted
         check_sharded_training(got["train_calls"], got["shard_numels"], expected, GPT_UNITS, world_size, steps, where)
         calls = [c for c in got["gather_calls"] if c["kind"] != "barrier"]
-        gathered = [c for c in calls if c["kind"] in ("all_gather", "all_gather_list")]
+        gathered = [c for c in calls if c["kind"] == "all_gather"]
         assert len(gathered) == len(calls) and \
             sum(c["numel"] for c in gathered) == sum(got["shard_numels"]), (
             f"{where}: gather_full_params must all-gather every rank's shards (this rank's {sum(got['shard_numels'])} "
