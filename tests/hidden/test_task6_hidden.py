@@ -209,7 +209,8 @@ def test_prefetch_follows_a_changed_order_and_frees_units_that_never_run():
             ag = fwd.index(("ag", f"block{order[j]}"))
             assert ag < fwd.index(("fwd", f"block{order[j - 1]}")), (
                 f"rank {rank}: at step {RELEARNED_STEP} the blocks run in the order {order}: block {order[j]} must "
-                f"be prefetched before block {order[j - 1]} computes (the order of the previous forward). Events: {fwd}")
+                f"be prefetched before block {order[j - 1]} computes (the order of the previous forward). "
+                f"Events: {fwd}")
         for step, left in got["unsharded_after_backward"].items():
             assert left == [], (
                 f"rank {rank}: units still unsharded after backward of step {step} (blocks run: {ORDERS[step]}): "

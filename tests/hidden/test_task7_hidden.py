@@ -212,7 +212,8 @@ def _accumulate(rank, world_size, steps, micro_batches):
             gpt_loss(model, idx, tgt).backward()
             if not sync:
                 # Re-gathering parameters is expected; communicating gradients is not.
-                early += [(step, micro, c["kind"]) for c in log.since(before) if c["kind"] not in ("all_gather", "barrier")]
+                early += [(step, micro, c["kind"]) for c in log.since(before)
+                          if c["kind"] not in ("all_gather", "barrier")]
         optim.step()
     return {"params": adapters.gather_full_params(model), "early": early}
 
@@ -301,7 +302,8 @@ def test_reshard_after_forward_false_via_fully_shard():
             f"rank {rank}: this rank's parameters hold {sum(got['shard_numels'])} elements, a shard of every unit "
             f"holds {sum(shard.values())}")
         for desc in got["flat"]:
-            assert_close(desc["shard"], expected_shard(desc, full), f"rank {rank}: shard of '{desc['prefix'] or '<root>'}'")
+            assert_close(desc["shard"], expected_shard(desc, full),
+                         f"rank {rank}: shard of '{desc['prefix'] or '<root>'}'")
         gathered = [c for c in got["gather_calls"] if c["kind"] != "barrier"]
         assert gathered and all(c["kind"] == "all_gather" for c in gathered) and \
             sum(c["numel"] for c in gathered) == sum(shard.values()), (

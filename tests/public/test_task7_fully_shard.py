@@ -76,7 +76,8 @@ def test_training_matches_single_process_and_torch_fsdp2(backend, world_size):
         where = f"W={world_size}, rank {rank}"
         check_flat_params(got["flat"], expected, GPT_UNITS, where)
         for desc in got["flat"]:
-            assert_close(desc["shard"], expected_shard(desc, full), f"{where}: shard of unit '{desc['prefix'] or '<root>'}'")
+            assert_close(desc["shard"], expected_shard(desc, full),
+                         f"{where}: shard of unit '{desc['prefix'] or '<root>'}'")
         for name, p in expected.named_parameters():
             assert_close(got["ours"][name], p, f"{where}: gather_full_params()['{name}']")
         if got["train_calls"] is None:

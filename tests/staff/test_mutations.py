@@ -1,7 +1,7 @@
 """The mutation self-test (staff/autograder/mutations.py) in CI.
 
-Fast: every mutant still applies to the current reference (one exact edit), compiles and has a kind of bug; together they seed every
-bug the autograder issue names; every hidden test is the target of some mutant.
+Fast: every mutant still applies to the current reference (one exact edit), compiles and has a kind of bug;
+together they seed every bug the autograder issue names; every hidden test is the target of some mutant.
 
 Slow (a few minutes, 2 workers): the public + hidden suite kills every mutant (KILL_RATE_REQUIRED), every mutant
 that seeds one of the issue's bugs among them, and each hidden test is the one that kills at least one of its
