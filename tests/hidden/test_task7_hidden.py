@@ -99,8 +99,8 @@ def _mixed_precision(rank, world_size):
     adapters.fully_shard(net, mixed_precision=bf16)
     torch.manual_seed(0)
     kw_net = KwargsNet()
-    adapters.fully_shard(kw_net.lin1, mixed_precision=bf16)
-    adapters.fully_shard(kw_net, mixed_precision=bf16)
+    adapters.fully_shard(kw_net.lin2, mixed_precision=bf16)
+    adapters.fully_shard(kw_net, mixed_precision=bf16)  # its own lin1 sees the keyword input first
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
     for key, call in (("float_inputs", lambda: net(x)), ("kwarg_inputs", lambda: kw_net(x=x))):
         try:
