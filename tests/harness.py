@@ -24,17 +24,31 @@ The protocol, step by step:
 3. A rank redirects its stdout and stderr (file descriptors 1 and 2, so C++ output too) to a per-rank file,
    registers faulthandler for SIGUSR1 (stacks of every thread, to a per-rank file) and for fatal signals, sets
    the parent's environment plus FSDP_RANK_PROCESS=1 and one thread, joins the default process group through a
-   FileStore in a fresh temporary directory (never a TCP port) with a short collective timeout, waits at a
-   barrier for every rank, and applies the memory limit, if any.
-4. Positive signal: the parent draws a random nonce per run. After the body returns, the rank meets the others
-   at a closing barrier, destroys the process group and sends (nonce, result) over a pipe, serialized with
-   torch.save; the parent reads it with torch.load(weights_only=True), which builds tensors and plain
-   containers and refuses anything else, so a rank cannot make the parent run code. A rank passes only if that
-   message arrives. Exiting, with code 0 or not, sys.exit, a signal, a hang: all are failures (RankFailure),
-   named by rank.
+   FileStore (never a TCP port) with a short collective timeout, waits at a barrier for every rank, and applies
+   its limits (memory, file size, processes). Two directories per run: the parent's, holding the output and
+   stack files (created by the rank before it drops privileges, so the body can neither replace them with a link
+   nor a FIFO), and inside it the body's own (the FileStore, TMPDIR and HOME), removed with the run. The parent
+   reads a rank's files back without following links, only if they are regular files, and only their tail.
+4. Positive signal: the parent draws a random nonce per run. Before the body runs, the rank hands the nonce and
+   its end of the result pipe to an audit hook (_install_guard) and keeps neither anywhere Python code can
+   reach; the body may walk its own stack freely. After the body returns, the rank meets the others at a
+   closing barrier, destroys the process group, serializes (status, result) with torch.save and raises the
+   report event; the hook sends it with an HMAC under the nonce, only when the event comes from the harness's own
+   frame, once. While the body runs, the ways to reach the hook's state (the garbage collector's object lists,
+   other threads' frames, tracing, ctypes, /proc/*/mem) make the hook report "forbidden" and close the pipe.
+   The parent checks the HMAC and reads the payload with torch.load(weights_only=True), which builds tensors
+   and plain containers and refuses anything else, so a rank cannot make the parent run code. A rank passes
+   only if that message arrives. Exiting, with code 0 or not, sys.exit, a signal, a hang, a stop, a destroyed
+   default group: all are failures (RankFailure), named by rank.
+   What this cannot prevent: code in the rank that patches torch so that the body itself computes the values a
+   correct implementation would; a test guards against that by checking, in the parent, values and evidence
+   (per-rank storage, counted collectives) that plain single-process code does not produce.
 5. A rank that raises sends its traceback instead. The parent gives the other ranks a moment to report their
    own errors, then kills them all (they would otherwise wait out their collective timeout), and raises
    RankFailure with the first traceback, a line for each other rank, and the tail of the failing rank's output.
+   The rank named first is the cause, not an echo: a stopped rank (SIGSTOP; its stacks are taken after a
+   SIGCONT), one that destroyed the default group or reached into the harness, before one that raised on its
+   own, before peers whose collectives failed because of it.
 6. At `timeout`, the parent sends SIGUSR1 to every live rank, waits for their stack dumps, kills them, and
    raises RankFailure with every hung rank's stacks.
 
@@ -118,7 +132,9 @@ class RankFailure(AssertionError):
     kind: "raised" (the body raised; includes sys.exit), "bad-result" (the result cannot be sent back),
     "peer-lost" (the body returned but a peer failed before the end), "exited" (the process ended without
     reporting), "signal" (a signal ended it), "bad-message" (the rank sent something that is not a valid
-    result message for this run), "timeout" (the run outlived `timeout`). The first failure sets the kind.
+    result message for this run), "timeout" (the run outlived `timeout`), "stopped" (SIGSTOP and never
+    resumed), "group-destroyed" (the body returned after destroying the default process group), "forbidden" (the
+    body reached into the harness: see _install_guard). The rank that caused the failure sets the kind.
     """
 
     def __init__(self, message: str, *, kind: str, rank: int | None):
@@ -205,12 +221,14 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
     every rank is killed. collective_timeout: the process group's timeout, so a mismatched collective
     raises in its rank (with a traceback) well before `timeout`.
     memory_limit_bytes: how many bytes each rank may allocate on top of what it holds when the body starts
-    (RLIMIT_DATA); beyond that an allocation fails (MemoryError or torch's "can't allocate memory").
+    (RLIMIT_DATA, and RLIMIT_AS for shared mappings: see _apply_limits); beyond that an allocation fails
+    (MemoryError or torch's "can't allocate memory").
     Raises RankFailure on any failure; skips the test when the backend lacks devices (require_backend).
 
-    The autograder sets three environment variables (see `_grader_settings`): FSDP_RANK_MEMORY_LIMIT_BYTES (the
-    default for memory_limit_bytes), FSDP_RANK_TIMEOUT_CAP (seconds: caps timeout and collective_timeout) and
-    FSDP_RANK_USER (when the harness runs as root: run each body as this unprivileged user).
+    The autograder sets environment variables (see `_grader_settings`): FSDP_RANK_MEMORY_LIMIT_BYTES (the
+    default for memory_limit_bytes), FSDP_RANK_TIMEOUT_CAP (seconds: caps timeout and collective_timeout),
+    FSDP_RANK_DEADLINE, FSDP_RANK_FILE_LIMIT_BYTES, FSDP_RANK_MAX_PROCESSES and FSDP_RANK_USER (when the harness
+    runs as root: run each body as this unprivileged user).
     """
     __tracebackhide__ = True  # pytest: show the test, not the harness
     if world_size < 1:
