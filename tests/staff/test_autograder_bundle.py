@@ -136,7 +136,7 @@ def test_reference_gets_full_marks(autograder):
                   "conftest.py": HOSTILE_CONFTEST.encode(), "tests/conftest.py": HOSTILE_CONFTEST.encode(),
                   "pytest.ini": b"[pytest]\naddopts = -p no:terminal\n",
                   "pyproject.toml": b"[tool.pytest.ini_options]\naddopts = '--collect-only'\n"})
-    data, seconds, stdout = _grade(autograder, files)
+    data, seconds, _ = _grade(autograder, files)
     failed = [t["name"] + "\n" + t["output"][:1500] for t in data["tests"] if t["status"] != "passed"]
     assert not failed, "\n\n".join(failed)
     assert data["score"] == pytest.approx(_points().total_points(), abs=0.01)
