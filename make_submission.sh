@@ -268,6 +268,7 @@ fi
 
 # ---- 3. The zip -----------------------------------------------------------------------------------------
 "$PYTHON" - "$OUT" "$TEST_STATUS" "${#WRITEUPS[@]}" "${WRITEUPS[@]}" "${TASK_FILES[@]}" <<'PY'
+from __future__ import annotations  # an older python (no torch, say) still writes the zip
 import json, sys, zipfile
 from pathlib import Path
 
