@@ -30,7 +30,8 @@ What it does:
   ``python staff/autograder/measure_times.py``): each test may take ``max(TEST_TIMEOUT_FLOOR_S,
   TEST_TIMEOUT_FACTOR * its reference time)`` (the harness's timeouts shrink to what is left of it, through
   ``FSDP_RANK_DEADLINE``); each task is guaranteed a share of the budget in proportion to what its tests need at
-  load 10 (``LOAD_FACTOR``), and no test may spend another unfinished task's unspent share; and once a test hung
+  load 10 (``LOAD_FACTOR``): the time it may lose to tests that do not pass (once that is spent, its remaining
+  tests are not run; passing tests are never charged, so a loaded machine cannot cut a correct task); and once a test hung
   (the harness's timeout, which shows every hung rank's stack), each hung rank's innermost task function is blamed,
   and every later test that calls all the blamed functions (``calls`` in the file: the reference's calls, traced)
   is reported at once as "not run: <function> hung in <test>" instead of waiting for it again. (A collective that
@@ -299,7 +300,8 @@ class Grader:
         rec = self.records.get(nodeid)
         if rec is not None:
             if rec.state == "running":
-                self.limits.end_test(nodeid, rec.task, time.time() - self.start, rec.duration)
+                self.limits.end_test(nodeid, rec.task, time.time() - self.start, rec.duration,
+                                     rec.call_passed and rec.failed_phase is None)
             rec.state = "done"
             self.write()
 
@@ -458,7 +460,6 @@ TEST_TIMEOUT_FACTOR = 15.0    # x the reference's quiet time; the reference ran 
 LOAD_FACTOR = 10.0            # what a task is expected to need: 10x its reference time (load 10), ...
 NEED_FLOOR_S = 2.0            # ... counting each test as at least this long (start-up: fork, process group)
 UNKNOWN_TEST_S = 5.0          # a test missing from the times file (regenerate it: measure_times.py)
-MIN_START_S = 1.0             # a test with less than this left of what its task may spend is not started
 
 _FRAME = re.compile(r'File "[^"\n]*?fsdp_assignment[/\\](task(\d)_\w+\.py)", line \d+,? in (\w+)')
 
@@ -500,10 +501,11 @@ class TimeLimits:
 
     The arithmetic, with t the reference's quiet time of a test and B the budget:
     limit(test) = max(TEST_TIMEOUT_FLOOR_S, TEST_TIMEOUT_FACTOR * t); need(test) = LOAD_FACTOR * max(t, NEED_FLOOR_S);
-    share(task) = B * need(task's tests) / need(all tests). When a test of task k starts at time E, the other
-    unfinished tasks' unspent shares are reserved; it may run for min(limit, B - E - reserved) seconds, and is not
-    started when that is under MIN_START_S. So a task that hangs spends its own share (and what finished tasks left
-    over), never another's: at load 10 a correct task needs about its share."""
+    share(task) = B * need(task's tests) / need(all tests). A test runs for at most min(limit, B - elapsed); the time
+    of every test that does not pass is charged to its task ("lost"), and once a task has lost its share, its later
+    tests are not run. So hangs cost a task at most its share plus one limit, and the other tasks keep the rest of
+    the budget; tests that pass are never charged (a loaded machine slows every task alike: only the global
+    budget bounds them)."""
 
     def __init__(self, config, budget: float | None):
         self.budget = budget
@@ -517,7 +519,7 @@ class TimeLimits:
             self.times = json.loads(path.read_text()).get("tests", {})
         self.known = {c for entry in self.times.values() for c in entry.get("calls", [])}
         self.share: dict[int, float] = {}
-        self.spent: dict[int, float] = {}
+        self.lost: dict[int, float] = {}      # seconds of tests that did not pass, per task
         self.left: dict[int, int] = {}       # tests not yet run, per task
         self.hung: dict[frozenset, str] = {}  # functions blamed together (one per hung rank) -> the test
         self.started_at: float | None = None
@@ -543,11 +545,8 @@ class TimeLimits:
             self.left[task] = self.left.get(task, 0) + 1
         total = sum(need.values())
         for task in need:
-            self.spent[task] = 0.0
+            self.lost[task] = 0.0
             self.share[task] = (self.budget * need[task] / total) if (self.budget and total) else float("inf")
-
-    def _reserved_for_others(self, task: int) -> float:
-        return sum(max(0.0, self.share[j] - self.spent[j]) for j in self.share if j != task and self.left.get(j))
 
     def why_not_run(self, nodeid: str, task: int, elapsed: float) -> str | None:
         if not self.enabled:
@@ -562,12 +561,11 @@ class TimeLimits:
                         f"same hang; fix the hang to have it graded)")
         if self.budget is None:
             return None
-        allowed = self.budget - elapsed - self._reserved_for_others(task)
-        if allowed < MIN_START_S:
+        if self.lost.get(task, 0.0) >= self.share.get(task, float("inf")):
             self._skip(task)
-            return (f"not run: Task {task}'s share of the grading time ({self.share[task]:.0f} s of "
-                    f"{self.budget:.0f} s) was used up by its earlier tests (tests that hang spend it: each waits "
-                    f"for its time limit); the other tasks keep theirs")
+            return (f"not run: Task {task}'s earlier tests that failed took {self.lost[task]:.0f} s, its share of "
+                    f"the grading time ({self.share[task]:.0f} s of {self.budget:.0f} s; tests that hang spend it: "
+                    f"each waits for its time limit); the other tasks keep theirs")
         return None
 
     def _skip(self, task: int) -> None:
@@ -587,16 +585,16 @@ class TimeLimits:
         # imports torch there) does not eat into them.
         seconds = self.limit(item.nodeid)
         if self.budget is not None:
-            seconds = min(seconds, self.budget - elapsed - self._reserved_for_others(task))
+            seconds = max(1.0, min(seconds, self.budget - elapsed))
         os.environ["FSDP_RANK_DEADLINE"] = f"{time.time() + seconds:.3f}"
         # pytest-timeout as a backstop only (it interrupts the pytest process, without the ranks' stacks).
         item.add_marker(pytest.mark.timeout(seconds + 60), append=False)
         return seconds
 
-    def end_test(self, nodeid: str, task: int, elapsed: float, call_seconds: float) -> None:
+    def end_test(self, nodeid: str, task: int, elapsed: float, call_seconds: float, passed: bool) -> None:
         os.environ.pop("FSDP_RANK_DEADLINE", None)
-        if task in self.spent and self.started_at is not None:
-            self.spent[task] += elapsed - self.started_at
+        if not passed and task in self.lost and self.started_at is not None:
+            self.lost[task] += elapsed - self.started_at
         self._skip(task)
         if self.record_dir is not None:
             self.durations[nodeid] = call_seconds
@@ -615,8 +613,8 @@ class TimeLimits:
     def summary(self) -> list[str]:
         rows = []
         if self.enabled and self.share and self.budget:
-            rows.append("task shares of the budget (spent/share s): " + ", ".join(
-                f"{t}: {self.spent[t]:.0f}/{self.share[t]:.0f}" for t in sorted(self.share)))
+            rows.append("task shares of the budget (lost to failing tests/share s): " + ", ".join(
+                f"{t}: {self.lost[t]:.0f}/{self.share[t]:.0f}" for t in sorted(self.share)))
         if self.hung:
             rows.append("hung: " + "; ".join(f"{' and '.join(_function_label(f) for f in sorted(fs))} in {w}"
                                              for fs, w in self.hung.items()))

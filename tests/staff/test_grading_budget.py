@@ -4,7 +4,7 @@ Fast checks, on a tiny fake test tree (no torch in the tests) and on the plugin'
 - every graded test has a measured time in staff/autograder/test_times.json (else: measure_times.py);
 - a hang is blamed on the innermost task function the reference knows, from faulthandler's stacks or a
   traceback; later tests that call it are "not run: <function> hung in <test>" at once, others run;
-- each test gets a deadline (FSDP_RANK_DEADLINE, which the harness honours) and a task that spends its share of the
+- each test gets a deadline (FSDP_RANK_DEADLINE, which the harness honours) and a task that loses its share of the
   budget cannot spend another's: its later tests are not run, the next task's tests run.
 """
 
@@ -82,9 +82,13 @@ def test_shares_follow_what_each_task_needs_at_load_10():
     # -> shares 480 x 100/140 and 480 x 40/140
     assert limits.share == pytest.approx({1: 480 * 100 / 140, 2: 480 * 40 / 140})
     assert limits.why_not_run("a", 1, elapsed=0.0) is None
-    limits.spent[1] = limits.share[1] + 1  # task 1 hung through its share: task 2's stays reserved
-    assert limits.why_not_run("a", 1, elapsed=limits.share[1] + 1) is not None
-    assert limits.why_not_run("b", 2, elapsed=limits.share[1] + 1) is None
+    limits.started_at = 0.0
+    limits.end_test("a", 1, elapsed=1000.0, call_seconds=1000.0, passed=True)  # slow but passing: not charged
+    assert limits.lost[1] == 0.0
+    limits.started_at = 0.0
+    limits.end_test("a", 1, elapsed=limits.share[1] + 1, call_seconds=0.0, passed=False)  # a hang: charged
+    assert limits.why_not_run("a", 1, elapsed=400.0) is not None  # task 1 lost its share: no more of its tests
+    assert limits.why_not_run("b", 2, elapsed=400.0) is None      # task 2 keeps its own
 
 
 def test_every_graded_test_has_a_measured_time():
@@ -130,8 +134,7 @@ class FakeRankFailure(AssertionError):
 
 def _hang_until_the_deadline(functions):
     """FAKE_HANG_IN: "file:function" for each hung rank (comma-separated), as the harness shows their stacks."""
-    if os.environ.get("FAKE_WAIT") == "1":  # as the harness would: wait out the deadline, then fail
-        time.sleep(max(0.0, float(os.environ["FSDP_RANK_DEADLINE"]) - time.time()))
+    time.sleep(float(os.environ.get("FAKE_WAIT", "0")))  # as the harness would: wait out a timeout, then fail
     message = "timed out after 3 s: ranks of 2 did not finish"
     for rank, function in enumerate(functions.split(",")):
         file, name = function.split(":")
@@ -218,22 +221,22 @@ def test_later_tests_that_call_a_hung_function_are_not_run(tmp_path):
     assert tests["test_2a_passes"]["status"] == "passed", tests["test_2a_passes"]["output"]
 
 
-def test_a_task_that_spends_its_share_cannot_spend_the_next_ones(tmp_path):
-    """A hang in a function the reference never calls (a student's own): nothing is skipped by name, but the
-    task's share bounds what its tests may spend, and the next task's share is untouched."""
+def test_a_task_that_loses_its_share_to_hangs_runs_no_more_tests(tmp_path):
+    """A hang in a function the reference never calls (a student's own): nothing is skipped by name, but once the
+    task's failing tests have taken its share, its other tests are not run; the next task runs."""
+    # Needs: task 1 three tests at 10 x 2 s (the floor) = 60; task 2 one test at 10 x 1000 s. Budget 100 s ->
+    # task 1's share is 100 x 60 / 10060 = 0.6 s, which the 2 s hang exceeds.
     tree = _fake_tree(tmp_path, {"test_1a_hangs": {"seconds": 0.1, "calls": []},
                                  "test_1b_calls_the_hung_function": {"seconds": 0.1, "calls": []},
                                  "test_1c_does_not_call_it": {"seconds": 0.1, "calls": []},
-                                 "test_2a_passes": {"seconds": 0.1, "calls": []}})
-    # Budget 15 s: shares 11.25 s (task 1: three tests) and 3.75 s (task 2). The hang waits out its limit, which is
-    # what task 1 may spend (15 - 3.75 s), not its own limit (the 30 s floor).
-    tests = _grade(tree, "--grade-budget", "15", FAKE_HANG_IN="task1_meta_init.py:my_own_helper", FAKE_WAIT="1")
+                                 "test_2a_passes": {"seconds": 1000.0, "calls": []}})
+    tests = _grade(tree, "--grade-budget", "100", FAKE_HANG_IN="task1_meta_init.py:my_own_helper", FAKE_WAIT="2")
     assert tests["test_1a_hangs"]["status"] == "failed"
-    assert "time limit: 11 s" in tests["test_1a_hangs"]["output"], tests["test_1a_hangs"]["output"]
+    assert "time limit: 30 s" in tests["test_1a_hangs"]["output"], tests["test_1a_hangs"]["output"]  # the floor
     for name in ("test_1b_calls_the_hung_function", "test_1c_does_not_call_it"):
         body = tests[name]["output"].split("\n\n")[1]
-        assert body.startswith("not run: Task 1's share of the grading time (11 s of 15 s) was used up"), body
-    # Task 2 kept its share: the hang took what task 1 had (and nothing of task 2's), so task 2 still ran.
+        assert body.startswith("not run: Task 1's earlier tests that failed took "), body
+        assert "its share of the grading time (1 s of 100 s" in body, body
     assert tests["test_2a_passes"]["status"] == "passed", tests["test_2a_passes"]["output"]
     assert "task shares of the budget" in tests["_stdout"]
 
