@@ -154,7 +154,11 @@ class BackwardHooks(ForwardHooks):
         """Before the unit's backward: queue ``self.finalize_backward(unit.shared)`` as autograd's final
         callback once per backward pass (``torch.autograd.Variable._execution_engine.queue_callback``;
         ``shared.backward_callback_queued`` says whether it is queued), mark the unit PRE_BACKWARD and
-        make it UNSHARDED (``wait_for_unshard``: re-gathers it if it was resharded)."""
+        make it UNSHARDED (``wait_for_unshard``: re-gathers it if it was resharded).
+
+        Make the views under ``torch.enable_grad()``: autograd runs hooks with grad mode off, and a
+        reentrant activation checkpoint inside the unit (``use_reentrant=True``) recomputes its forward
+        from these views, so they must be connected to ``unsharded`` for its gradient to reach it."""
         shared = unit.shared
         if shared is None:
             raise RuntimeError("pre_backward: unit.shared is None; the tree was never initialized "
@@ -163,7 +167,8 @@ class BackwardHooks(ForwardHooks):
             shared.backward_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finalize_backward(shared))
         unit.training_state = TrainingState.PRE_BACKWARD
-        wait_for_unshard(unit)
+        with torch.enable_grad():
+            wait_for_unshard(unit)
 
     def post_backward(self, unit: FSDPUnit) -> None:
         """The unit's backward is done: reduce its gradients and reshard it, frozen parameters included.

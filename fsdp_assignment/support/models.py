@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -94,6 +95,10 @@ class GPTConfig:
     n_layer: int = 3
     n_head: int = 2
     n_embd: int = 38
+    # Activation checkpointing (torch.utils.checkpoint): "" off, "block" around each block (the usual FSDP
+    # unit), "mlp" around each block's MLP (inside the unit); ``checkpoint_reentrant`` picks the variant.
+    checkpoint: str = ""
+    checkpoint_reentrant: bool = False
 
 
 class CausalSelfAttention(nn.Module):
@@ -122,9 +127,17 @@ class MLP(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x)))
 
 
+def _checkpointed(module: nn.Module, x: torch.Tensor, cfg: GPTConfig, where: str) -> torch.Tensor:
+    """``module(x)``, under activation checkpointing when ``cfg.checkpoint == where`` and autograd records."""
+    if cfg.checkpoint == where and torch.is_grad_enabled():
+        return checkpoint(module, x, use_reentrant=cfg.checkpoint_reentrant)
+    return module(x)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        self.cfg = cfg
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
@@ -132,7 +145,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        return x + _checkpointed(self.mlp, self.ln_2(x), self.cfg, "mlp")
 
 
 class GPT(nn.Module):
@@ -156,7 +169,7 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
+            x = _checkpointed(block, x, self.cfg, "block")
         return self.lm_head(self.ln_f(x))
 
 

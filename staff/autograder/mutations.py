@@ -145,8 +145,8 @@ MUTANTS: list[Mutant] = [
     # ---- Task 4: backward ---------------------------------------------------------------------------------
     Mutant("m17", 4, "op=dist.ReduceOp.AVG", "op=dist.ReduceOp.SUM",
            "sums gradients over ranks instead of averaging", "gradients summed instead of averaged", "test_gradients_accumulate_over_backward_passes"),
-    Mutant("m18", 4, "        unit.training_state = TrainingState.PRE_BACKWARD\n        wait_for_unshard(unit)\n",
-           "        unit.training_state = TrainingState.PRE_BACKWARD\n",
+    Mutant("m18", 4, "        with torch.enable_grad():\n            wait_for_unshard(unit)\n",
+           "",
            "does not re-gather a resharded unit before its backward",
            "no re-gather in backward after reshard"),
     Mutant("m19", 4, "        grad = grad.to(unit.reduce_dtype or grad.dtype)\n",
@@ -337,6 +337,34 @@ MUTANTS: list[Mutant] = [
            "                self.reduce_grad(",
            "keeps the full flat gradient after reducing it: a full gradient per unit stays alive after backward",
            "", "test_backward_really_frees_full_parameters_and_gradients"),
+]
+
+# ---- Frozen units and activation checkpointing (issue 9; added by the core helper, ids c01..) ----------------
+MUTANTS += [
+    Mutant("c01", 4, "            if inputs:\n                outputs = RegisterPostBackward.apply(",
+           "            if False:\n                outputs = RegisterPostBackward.apply(",
+           "no post-backward trigger on the unit's inputs: every unit (frozen weights included) stays unsharded "
+           "until the final callback"),
+    Mutant("c02", 4, "        ctx.hooks.post_backward(ctx.unit)\n",
+           "        if any(fp.unsharded.grad is not None for fp in ctx.unit.flat_params):\n"
+           "            ctx.hooks.post_backward(ctx.unit)\n",
+           "post-backward only for units that got a gradient: a fully frozen unit stays unsharded until the end",
+           "", "test_frozen_embedding_and_a_fully_frozen_unit"),
+    Mutant("c03", 4, "        if unit.training_state == TrainingState.PRE_BACKWARD:\n            wait_for_unshard(unit)\n"
+                     "            return cast_forward_inputs(unit, args, kwargs)\n", "",
+           "a checkpointed unit's recomputation runs the full pre-forward (new trigger, state FORWARD), so the "
+           "recomputation's post-forward reshards the unit under its own backward"),
+    Mutant("c04", 4, "        if unit.training_state == TrainingState.PRE_BACKWARD:\n            return output\n", "",
+           "post-forward reshards during activation-checkpointing recomputation (the views autograd saved lose "
+           "their data)"),
+    Mutant("c05", 4, "        with torch.enable_grad():\n            wait_for_unshard(unit)\n",
+           "        if True:\n            wait_for_unshard(unit)\n",
+           "pre-backward makes the views with grad mode off: a reentrant checkpoint inside the unit recomputes "
+           "from views with no path to the flat gradient"),
+    Mutant("c06", 6, "        if not unit.shared.prefetch or _in_backward():\n",
+           "        if not unit.shared.prefetch:\n",
+           "a forward recomputed during backward (activation checkpointing) records the order and prefetches "
+           "units whose backward is already done"),
 ]
 
 

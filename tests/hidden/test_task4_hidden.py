@@ -16,6 +16,7 @@ from fsdp_assignment.support.state import fsdp_units
 from tests.harness import run_ranks
 from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard, hand_shard,
                                  hand_shard_gpt, local_batch, unsharded_storage_sizes)
+from tests.public.test_task4_backward import check_lora, lora_run
 
 pytestmark = pytest.mark.task4
 
@@ -199,3 +200,12 @@ def test_eval_under_no_grad_then_train():
                     f"point the parameters at fresh views in every pre-forward, even when the unit is unsharded "
                     f"already (views made under no_grad have no path to the flat parameter)")
                 assert_close(desc["grad"], expected_shard(desc, grads), f"{where}: gradient shard")
+
+
+@pytest.mark.weight(2)
+def test_frozen_embedding_and_a_fully_frozen_unit():
+    """LoRA-style blocks behind a frozen embedding (the first block's input needs no gradient, so autograd never
+    reaches its inputs) with one block frozen entirely (no gradient at all): nothing hangs, adapter gradients and
+    one AdamW step equal one process, at most two non-root units unsharded during backward, none after."""
+    world_size = 3
+    check_lora(run_ranks(lora_run, world_size, 4, False, True, 2), world_size, freeze_embedding=True, frozen_block=2)

@@ -14,6 +14,7 @@ from tests.harness import run_ranks
 from tests.public.collectives import use_counted_collectives
 from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard,
                                  full_params_of, hand_shard_gpt, local_batch)
+from tests.public.test_task4_backward import check_lora, lora_run
 
 pytestmark = pytest.mark.task6
 
@@ -225,3 +226,11 @@ def test_prefetch_follows_a_changed_order_and_frees_units_that_never_run():
                 f"rank {rank}: unit '{desc['prefix'] or '<root>'}' after {len(ORDERS)} steps with changing block "
                 f"orders and a skipped block, against single-process training: a prefetched gather must never "
                 f"serve parameters of an earlier step"))
+
+
+@pytest.mark.weight(2)
+def test_prefetch_with_frozen_embedding_and_a_fully_frozen_unit():
+    """As Task 4's hidden LoRA test, with prefetching on: the first block's input needs no gradient and one block
+    has no trainable parameter; at most two non-root units unsharded, gradients and one AdamW step as one process."""
+    world_size = 2
+    check_lora(run_ranks(lora_run, world_size, 6, True, True, 2), world_size, freeze_embedding=True, frozen_block=2)

@@ -1,4 +1,5 @@
-"""Task 4: backward (re-gather, reduce-scatter gradients, free, finish before backward returns)."""
+"""Task 4: backward (re-gather, reduce-scatter gradients, free, finish before backward returns; frozen units and
+activation checkpointing)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import pytest
 import torch
 
 import adapters
-from fsdp_assignment.support.models import GPT, GPTConfig, ToyMLP, gpt_batch, gpt_loss
+from fsdp_assignment.support.models import GPT, GPTConfig, LoRAConfig, LoRAModel, ToyMLP, gpt_batch, gpt_loss
 from tests.harness import run_ranks
 from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard,
-                                 hand_shard, hand_shard_gpt, local_batch, rank_device, unsharded_storage_sizes)
+                                 full_params_of, hand_shard, hand_shard_gpt, local_batch, rank_device,
+                                 unsharded_storage_sizes)
 
 pytestmark = pytest.mark.task4
 
@@ -33,7 +35,7 @@ def _single_process_grads(model, loss) -> dict[str, torch.Tensor]:
             model.named_parameters(remove_duplicate=False)}
 
 
-def _check_grad_shards(results, model, unit_prefixes, expected_grads):
+def _check_grad_shards(results, model, unit_prefixes, expected_grads, rtol=1e-5):
     """Every rank's gradient shards against single-process PyTorch. Which units exist, what each owns and
     which of its FlatParameters are trainable is decided from the parent's own ``model``."""
     for rank, got in enumerate(results):
@@ -45,7 +47,7 @@ def _check_grad_shards(results, model, unit_prefixes, expected_grads):
                 continue
             assert desc["grad"] is not None, f"rank {rank}: unit {unit} has no gradient on its shard after backward"
             expected = expected_shard(desc, expected_grads)
-            assert_close(desc["grad"], expected, f"rank {rank}: gradient shard of unit {unit}")
+            assert_close(desc["grad"], expected, f"rank {rank}: gradient shard of unit {unit}", rtol=rtol)
             pad_from = max(0, desc["numel"] - desc["shard_offset"])
             assert torch.all(desc["grad"][pad_from:] == 0), f"rank {rank}: gradient padding of {unit} must be zero"
         assert got["full_grads_alive"] == [], f"rank {rank}: full gradients still alive after backward: {got['full_grads_alive']}"
@@ -114,3 +116,147 @@ def test_reduce_scatter_averages_over_ranks():
         expected = full[got["shard_offset"]:got["shard_offset"] + got["shard_numel"]]
         assert torch.allclose(got["shard"], expected), \
             f"rank {rank}: reduce_scatter_grad must return this rank's slice of the MEAN over ranks (not the sum)"
+
+
+# ---- Frozen units (LoRA) and activation checkpointing: each unit is resharded when its own backward is done --
+# These bodies also serve Task 6's tests (hooks=6, prefetching on) and the hidden variants.
+LORA = LoRAConfig()
+MAX_UNSHARDED = 2  # non-root units unsharded at any moment of backward: the one computing (+ one prefetched)
+# AdamW's first step is about lr * g / (|g| + eps): an eps above fp32 rounding noise keeps the comparison about
+# FSDP, not about the sign of noise in near-zero gradients (see ADAM_EPS in test_task5_optim_ckpt.py).
+ADAMW = dict(lr=1e-2, weight_decay=0.1, eps=1e-4)
+
+
+def _count_unsharded(units) -> int:
+    return sum(any(fp.is_unsharded() for fp in u.flat_params) for u in units if not u.is_root)
+
+
+def _sample_in_every_unit(model, probes, counts: list) -> None:
+    """Record the number of unsharded non-root units in the middle of every unit's forward and backward:
+    when each probe module (one inside each unit) runs forward, recomputation included, and when the
+    gradient of its output arrives."""
+    units = adapters.fsdp_units(model)
+
+    def grad_hook(grad):
+        counts.append(_count_unsharded(units))
+
+    def forward_hook(module, args, output):
+        counts.append(_count_unsharded(units))
+        if output.requires_grad:
+            output.register_hook(grad_hook)
+
+    for probe in probes:
+        probe.register_forward_hook(forward_hook)
+
+
+def _lora_model(freeze_embedding: bool, frozen_block: int | None) -> tuple[LoRAConfig, LoRAModel]:
+    cfg = LoRAConfig(freeze_embedding=freeze_embedding)
+    torch.manual_seed(0)
+    model = LoRAModel(cfg)
+    if frozen_block is not None:  # a unit with no trainable parameter at all
+        model.blocks[frozen_block].requires_grad_(False)
+    return cfg, model
+
+
+def lora_run(rank, world_size, hooks=4, prefetch=False, freeze_embedding=False, frozen_block=None):
+    """One LoRA training step on hand-made units (each block, then the root): gradient shards, the unsharded
+    counts sampled at every unit's backward, what is unsharded after backward, and the shards after AdamW."""
+    cfg, model = _lora_model(freeze_embedding, frozen_block)
+    root = hand_shard(model, [*model.blocks, model], hooks=hooks)
+    root.shared.prefetch = prefetch
+    counts: list[int] = []
+    _sample_in_every_unit(model, [b.fc for b in model.blocks], counts)
+    optim = torch.optim.AdamW(model.parameters(), **ADAMW)
+    idx, tgt = local_batch(cfg, rank, world_size, step=0)
+    gpt_loss(model, idx, tgt).backward()
+    out = {"flat": describe_flat_params(model, grads=True), "counts": counts,
+           "sizes": unsharded_storage_sizes(model),
+           "full_grads_alive": [u.module.__class__.__name__ for u in adapters.fsdp_units(model)
+                                for fp in u.flat_params if fp.unsharded.grad is not None]}
+    optim.step()
+    out["after_step"] = describe_flat_params(model)
+    return out
+
+
+def check_lora(results, world_size, freeze_embedding=False, frozen_block=None):
+    cfg, model = _lora_model(freeze_embedding, frozen_block)
+    optim = torch.optim.AdamW(model.parameters(), **ADAMW)
+    idx, tgt = gpt_batch(cfg, 2 * world_size, seed=0)
+    grads = _single_process_grads(model, gpt_loss(model, idx, tgt))
+    optim.step()
+    params = full_params_of(model)
+    _check_grad_shards(results, model, [f"blocks.{i}." for i in range(cfg.n_layer)] + [""], grads, rtol=1e-6)
+    for rank, got in enumerate(results):
+        assert max(got["counts"]) <= MAX_UNSHARDED, (
+            f"rank {rank}: up to {max(got['counts'])} non-root units were unsharded at once during backward "
+            f"(sampled inside every unit: {got['counts']}); at most {MAX_UNSHARDED}: reshard each unit, frozen "
+            f"parameters included, as soon as its own backward is done (post_backward), not in the final callback")
+        for desc in got["after_step"]:
+            assert_close(desc["shard"], expected_shard(desc, params),
+                         f"rank {rank}: shard of unit {desc['prefix'] or '<root>'} after one AdamW step", rtol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_frozen_base_weights_are_resharded_at_each_units_backward(world_size):
+    """LoRA-style blocks (frozen base + trainable adapter): adapter gradients equal one process, at most two
+    non-root units unsharded at any sampled moment of backward, none after it, one AdamW step matches."""
+    check_lora(run_ranks(lora_run, world_size), world_size)
+
+
+AC_VARIANTS = [  # (where, reentrant, early_stop): see GPTConfig.checkpoint
+    ("block", False, True), ("mlp", False, True), ("block", False, False), ("block", True, True), ("mlp", True, True)]
+AC_CFG = GPTConfig(n_layer=3)
+GPT_AC_UNITS = [f"blocks.{i}." for i in range(AC_CFG.n_layer)] + [""]
+
+
+def checkpointing_run(rank, world_size, hooks=4, prefetch=False):
+    """For every variant of AC_VARIANTS: one backward (and a second one, to exercise the recorded order with
+    prefetching) under activation checkpointing; gradient shards and unsharded counts."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    out = {}
+    for i, (where, reentrant, early_stop) in enumerate(AC_VARIANTS):
+        cfg = GPTConfig(**{**AC_CFG.__dict__, "checkpoint": where, "checkpoint_reentrant": reentrant})
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        root = hand_shard_gpt(model, hooks=hooks)
+        root.shared.prefetch = prefetch
+        counts: list[int] = []
+        _sample_in_every_unit(model, [b.attn.c_attn for b in model.blocks], counts)
+        with set_checkpoint_early_stop(early_stop):
+            for step in range(2):
+                for p in model.parameters():
+                    p.grad = None
+                idx, tgt = local_batch(cfg, rank, world_size, step=step)
+                gpt_loss(model, idx, tgt).backward()
+        out[i] = {
+            "flat": describe_flat_params(model, grads=True), "counts": counts,
+            "sizes": unsharded_storage_sizes(model),
+            "full_grads_alive": [u.module.__class__.__name__ for u in adapters.fsdp_units(model)
+                                 for fp in u.flat_params if fp.unsharded.grad is not None]}
+    return out
+
+
+def check_checkpointing(results, world_size):
+    torch.manual_seed(0)
+    model = GPT(AC_CFG)
+    idx, tgt = gpt_batch(AC_CFG, 2 * world_size, seed=1)  # the second step's batch (no optimizer step between)
+    grads = _single_process_grads(model, gpt_loss(model, idx, tgt))
+    for i, (where, reentrant, early_stop) in enumerate(AC_VARIANTS):
+        what = (f"activation checkpointing around each {'unit (block)' if where == 'block' else 'MLP inside a unit'}"
+                f", use_reentrant={reentrant}, early_stop={early_stop}")
+        per_rank = [got[i] for got in results]
+        try:
+            _check_grad_shards(per_rank, model, GPT_AC_UNITS, grads, rtol=1e-6)
+        except AssertionError as e:
+            raise AssertionError(f"{what}: {e}") from None
+        for rank, got in enumerate(per_rank):
+            assert max(got["counts"]) <= MAX_UNSHARDED, (
+                f"{what}, rank {rank}: up to {max(got['counts'])} non-root units unsharded at once (sampled in every "
+                f"unit's forward, recomputation and backward: {got['counts']}); at most {MAX_UNSHARDED}. A forward "
+                f"that recomputes a checkpointed unit during its backward must not reshard it nor prefetch")
+
+
+def test_activation_checkpointing_matches_single_process():
+    """torch.utils.checkpoint around each unit and around a block inside a unit (reentrant or not, with and
+    without early stop): gradients equal one process, units unsharded stay bounded during recomputation."""
+    check_checkpointing(run_ranks(checkpointing_run, 2, timeout=90), 2)

@@ -10,6 +10,7 @@ from fsdp_assignment.support.models import GPT, GPTConfig, gpt_loss
 from tests.harness import run_ranks
 from tests.public.collectives import use_counted_collectives
 from tests.public.common import hand_shard_gpt, local_batch
+from tests.public.test_task4_backward import check_checkpointing, check_lora, checkpointing_run, lora_run
 
 pytestmark = pytest.mark.task6
 
@@ -138,3 +139,18 @@ def test_prefetch_order_and_at_most_two_units_unsharded():
                 f"backward events: {bwd}"
         assert got["max_unsharded"] <= 2, \
             f"rank {rank}: {got['max_unsharded']} non-root units were unsharded at once (at most 2: current + next)"
+
+
+# ---- Frozen units (LoRA) and activation checkpointing, with prefetching (Task 4's bodies, Task 6's hooks) ----
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_prefetch_with_frozen_base_weights(world_size):
+    """LoRA-style blocks with prefetching on: adapter gradients and one AdamW step equal one process; at most two
+    non-root units unsharded (the one computing and the one prefetched) at any sampled moment; none after."""
+    check_lora(run_ranks(lora_run, world_size, 6, True), world_size)
+
+
+def test_prefetch_with_activation_checkpointing():
+    """Activation checkpointing (around each unit, around a block inside a unit) with prefetching on: gradients
+    equal one process, at most two non-root units unsharded, recomputation included: a forward that runs during
+    backward neither records the order nor prefetches."""
+    check_checkpointing(run_ranks(checkpointing_run, 2, 6, True, timeout=90), 2)
