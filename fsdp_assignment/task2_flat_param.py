@@ -41,8 +41,10 @@ class FlatParameter:
                  unsharded_dtype: torch.dtype | None = None):
         """Flatten ``module``'s parameters ``param_names`` and keep only ``rank``'s shard.
 
-        All parameters must share dtype, device and ``requires_grad``. A parameter reachable under several
-        names (tied weights) is stored once. The original ``nn.Parameter``s are removed from their modules
+        All parameters must share dtype, device and ``requires_grad``, else ``ValueError`` (as for an empty
+        ``param_names`` or a rank outside ``[0, world_size)``). A parameter reachable under several names (tied
+        weights) is stored once, under the first of its names in ``param_names``; ``aliases`` maps every name
+        to that one. The original ``nn.Parameter``s are removed from their modules
         (so ``module.parameters()`` no longer yields them); ``use_unsharded_views()`` puts views back as plain
         tensor attributes. Works on the ``meta`` device too (then the shard is on ``meta`` as well).
         ``unsharded_dtype`` (mixed precision) is the dtype of ``unsharded``; by default the parameters'.
@@ -80,8 +82,9 @@ class FlatParameter:
         raise NotImplementedError("Task 2: implement FlatParameter.use_unsharded_views() in fsdp_assignment/task2_flat_param.py (see its docstring)")
 
     def shard_range(self, name: str) -> tuple[int, int, int]:
-        """For parameter ``name``: (start, end) of its flattened elements that lie in this rank's shard, and
-        where that piece starts inside the shard. ``start == end`` when no element of it lies here."""
+        """For parameter ``name`` (any of its aliases): ``(start, end, at)``, where ``[start, end)`` are the
+        indices of its flattened elements that lie in this rank's shard and ``at`` is where that piece starts
+        inside the shard. ``(0, 0, 0)`` when no element of it lies here."""
         raise NotImplementedError("Task 2: implement FlatParameter.shard_range() in fsdp_assignment/task2_flat_param.py (see its docstring)")
 
     def copy_into_shard(self, name: str, full: torch.Tensor) -> None:

@@ -14,9 +14,11 @@ Formats (``fqn`` = original parameter name relative to the module passed in):
 - model, full:      {fqn: full tensor, buffer name: tensor} on rank 0; {} on other ranks. Tied parameters
                     appear under each of their names, as in ``nn.Module.state_dict()``.
 - model, sharded:   {fqn: 1-D tensor, the elements of that parameter that lie in this rank's shard (may be
-                    empty)} plus buffers, on every rank; each name once.
+                    empty)} plus buffers, on every rank; a tied parameter once, under its kept name (the
+                    first of its names, see FlatParameter).
 - optimizer, full:  {"state": {fqn: {key: full tensor or scalar}}, "param_groups": [{..., "params": [fqn]}]}
-                    on rank 0, {} elsewhere.
+                    on rank 0, {} elsewhere. A tied parameter is one optimizer parameter: once, under its
+                    kept name.
 - optimizer, sharded: same layout, tensors as this rank's 1-D pieces, on every rank.
 Loading a full state dict: pass the same full dict on every rank. Loading restores everything the dict holds,
 buffers and the optimizer's hyperparameters (each param group's lr, weight decay, ...) included, as

@@ -9,8 +9,11 @@ iteration. Forward prefetch uses the order of the previous forward (the first it
 backward runs the units in the reverse of the forward just recorded.
 
 Invariants: prefetching never changes a single number (results are bitwise identical with it on or off);
-at most two non-root units are unsharded at any moment (the one computing and the one prefetched); an
-all-gather in flight is always waited on before its buffer is used or freed.
+at most two non-root units are unsharded at any moment (the one computing and the one prefetched), during
+an activation-checkpointing recomputation too; each unit is all-gathered exactly once per forward, and once
+per backward if it was resharded after forward (a prefetched unit waits on its own handle and uses that
+gather, it never gathers again); an all-gather in flight is always waited on before its buffer is used or
+freed; every asynchronous reduce-scatter has landed in ``shard.grad`` when ``loss.backward()`` returns.
 """
 # This file is generated from the staff reference by staff/make_stubs.py: the signatures and
 # docstrings are the specification. Replace each `raise NotImplementedError` with your code; you may

@@ -47,6 +47,11 @@ def materialize_meta_module(module: nn.Module, device: torch.device | str) -> No
     ``reset_parameters()``, and, for parameters of a sharded unit, copy this rank's slice into the unit's
     shard and drop the full tensor. Raise a ``TypeError`` naming the module when it owns meta state but has
     no ``reset_parameters()``. Call it with the same seed on every rank.
+
+    A FlatParameter on ``meta`` (Task 2) is materialized whole: its ``shard`` becomes a zero-filled
+    ``nn.Parameter`` on ``device`` and its ``unsharded`` an empty (storage size 0) tensor on ``device``, each
+    keeping its dtype and ``requires_grad``; replace them in place (``torch.utils.swap_tensors``), so the
+    Python objects a module or an optimizer already holds stay the ones in use.
     """
     device = torch.device(device)
     # Parameters that fully_shard moved into FlatParameters: (owner module) -> [(flat_param, alias, attr)].

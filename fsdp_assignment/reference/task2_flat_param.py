@@ -44,8 +44,10 @@ class FlatParameter:
                  unsharded_dtype: torch.dtype | None = None):
         """Flatten ``module``'s parameters ``param_names`` and keep only ``rank``'s shard.
 
-        All parameters must share dtype, device and ``requires_grad``. A parameter reachable under several
-        names (tied weights) is stored once. The original ``nn.Parameter``s are removed from their modules
+        All parameters must share dtype, device and ``requires_grad``, else ``ValueError`` (as for an empty
+        ``param_names`` or a rank outside ``[0, world_size)``). A parameter reachable under several names (tied
+        weights) is stored once, under the first of its names in ``param_names``; ``aliases`` maps every name
+        to that one. The original ``nn.Parameter``s are removed from their modules
         (so ``module.parameters()`` no longer yields them); ``use_unsharded_views()`` puts views back as plain
         tensor attributes. Works on the ``meta`` device too (then the shard is on ``meta`` as well).
         ``unsharded_dtype`` (mixed precision) is the dtype of ``unsharded``; by default the parameters'.
@@ -97,7 +99,8 @@ class FlatParameter:
             if attr in owner._parameters:
                 del owner._parameters[attr]
         # A leaf that requires grad (when trainable): autograd accumulates every view's gradient into its
-        # ``.grad``, one padded flat gradient, which is exactly what the reduce-scatter needs. The tensor
+        # ``.grad``, one padded flat gradient, which is exactly what the reduce-scatter needs. (So a parameter
+        # unused in forward gets zeros there, not None as in plain PyTorch: see Task 4's module docstring.) The tensor
         # object lives as long as the FlatParameter (hooks are registered on it); only its storage comes
         # and goes.
         self.unsharded = torch.empty(self.padded_numel, dtype=unsharded_dtype or self.dtype, device=self.device)
@@ -143,8 +146,9 @@ class FlatParameter:
 
     # ---- shard I/O ---------------------------------------------------------------------------------------
     def shard_range(self, name: str) -> tuple[int, int, int]:
-        """For parameter ``name``: (start, end) of its flattened elements that lie in this rank's shard, and
-        where that piece starts inside the shard. ``start == end`` when no element of it lies here."""
+        """For parameter ``name`` (any of its aliases): ``(start, end, at)``, where ``[start, end)`` are the
+        indices of its flattened elements that lie in this rank's shard and ``at`` is where that piece starts
+        inside the shard. ``(0, 0, 0)`` when no element of it lies here."""
         i = self.param_names.index(self.aliases[name])
         lo = max(self.param_offsets[i], self.shard_offset)
         hi = min(self.param_offsets[i] + self.numels[i], self.shard_offset + self.shard_numel)

@@ -29,19 +29,29 @@ def unshard(flat_param: FlatParameter, group: dist.ProcessGroup | None = None, *
             param_dtype: torch.dtype | None = None, async_op: bool = False):
     """All-gather every rank's shard of ``flat_param`` into ``flat_param.unsharded``.
 
-    Allocates the unsharded storage (``alloc_unsharded``), casts this rank's shard to ``param_dtype`` (mixed
-    precision; ``None`` keeps its dtype), and all-gathers into ``unsharded`` so that shard r lands at offset
-    ``r * shard_numel``. With ``async_op=True`` returns the collective's work handle (the caller must
-    ``wait()`` before using the data); otherwise waits and returns None.
+    Allocates the unsharded storage (``alloc_unsharded``), casts this rank's shard to ``unsharded``'s dtype
+    (mixed precision: the FlatParameter was built with ``unsharded_dtype=param_dtype``), and all-gathers into
+    ``unsharded`` so that shard r lands at offset ``r * shard_numel``. ``param_dtype``, when given, must be
+    ``unsharded``'s dtype (``ValueError`` otherwise: the buffer's dtype is fixed when it is built). With
+    ``async_op=True`` returns the collective's work handle (the caller must ``wait()`` before using the
+    data); otherwise waits and returns None. Use ``group`` (None: the default group) for the collective.
+
+    The tests count collectives through the process group, whatever function you call; the benchmarks
+    count and delay them by patching ``torch.distributed``, so look them up as ``dist.<name>`` when you
+    call them (not ``from torch.distributed import ...``) for the benchmarks' figures to include them.
 
     The all-gather writes into ``unsharded.data``: writing through the autograd-visible tensor would bump its
     version counter, and autograd would then refuse the views it saved for backward ("modified by an
     inplace operation") although their data is exactly what was saved.
     """
+    dtype = flat_param.unsharded.dtype
+    if param_dtype is not None and param_dtype != dtype:
+        raise ValueError(f"unshard: param_dtype={param_dtype} but the unsharded buffer holds {dtype}; build the "
+                         f"FlatParameter with unsharded_dtype={param_dtype}")
     flat_param.alloc_unsharded()
     shard = flat_param.shard.detach()
-    if param_dtype is not None and shard.dtype != param_dtype:
-        shard = shard.to(param_dtype)
+    if shard.dtype != dtype:
+        shard = shard.to(dtype)
     work = _all_gather_single(flat_param.unsharded.data, shard, group, async_op)
     return work if async_op else None
 

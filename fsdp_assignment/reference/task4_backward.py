@@ -16,9 +16,11 @@ after every operation of the unit has run its backward, and that backward calls 
 Invariants: every reduce-scatter has finished and landed in ``shard.grad`` when ``loss.backward()``
 returns (``finalize_backward`` runs as autograd's final callback, the backstop for units whose
 post-backward autograd never ran: inputs that need no gradient, detached outputs, units not used); the
-padding of ``shard.grad`` is zero; no unit stays unsharded after backward, and at most the units whose
-backward is running (plus Task 6's prefetched one) are unsharded during it; a unit whose parameters got no
-gradient never blocks (there is nothing to reduce for it, on every rank alike).
+padding of ``shard.grad`` is zero; no unit stays unsharded after backward, and during it at most one
+non-root unit is unsharded at any moment, the one whose backward runs (activation-checkpointing
+recomputation included; Task 6's prefetching adds the next one; the root, whose output is the loss, may
+stay unsharded until the final callback); a unit whose parameters got no gradient never blocks (there is
+nothing to reduce for it, on every rank alike).
 
 Known difference from single-process PyTorch: a trainable parameter that took no part in the forward still
 gets a gradient, of zeros, when another parameter of its FlatParameter got one (autograd fills the whole
@@ -174,7 +176,8 @@ class BackwardHooks(ForwardHooks):
         """The unit's backward is done: reduce its gradients and reshard it, frozen parameters included.
 
         For each trainable FlatParameter whose ``unsharded.grad`` is set: drop ``unsharded.grad`` and hand
-        it to ``self.reduce_grad``. Then reshard the unit (``reshard_unit``) and mark it POST_BACKWARD.
+        it to ``self.reduce_grad``. Then reshard the unit (``reshard_unit``), frozen FlatParameters included
+        (their ``shard.grad`` stays None), and mark it POST_BACKWARD.
         Safe to call more than once per backward (a unit run twice in forward gets one call per run: each
         reduces what was accumulated since the last) and when nothing happened (nothing to reduce).
         """

@@ -206,6 +206,6 @@ def test_eval_under_no_grad_then_train():
 def test_frozen_embedding_and_a_fully_frozen_unit():
     """LoRA-style blocks behind a frozen embedding (the first block's input needs no gradient, so autograd never
     reaches its inputs) with one block frozen entirely (no gradient at all): nothing hangs, adapter gradients and
-    one AdamW step equal one process, at most two non-root units unsharded during backward, none after."""
+    one AdamW step equal one process, one non-root unit unsharded at a time during backward, none after."""
     world_size = 3
     check_lora(run_ranks(lora_run, world_size, 4, False, True, 2), world_size, freeze_embedding=True, frozen_block=2)

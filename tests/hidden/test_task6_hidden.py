@@ -233,4 +233,4 @@ def test_prefetch_with_frozen_embedding_and_a_fully_frozen_unit():
     """As Task 4's hidden LoRA test, with prefetching on: the first block's input needs no gradient and one block
     has no trainable parameter; at most two non-root units unsharded, gradients and one AdamW step as one process."""
     world_size = 2
-    check_lora(run_ranks(lora_run, world_size, 6, True, True, 2), world_size, freeze_embedding=True, frozen_block=2)
+    check_lora(run_ranks(lora_run, world_size, 6, True, True, 2), world_size, prefetch=True, freeze_embedding=True, frozen_block=2)

@@ -38,7 +38,9 @@ def test_unsharded_module_matches_eager_init_bitwise(model_name):
     after = torch.rand(4)
     assert not got["meta_left"], f"still on meta after materialize_meta_module: {got['meta_left']}"
     expected = eager.state_dict()
-    assert got["state"].keys() == expected.keys()
+    assert got["state"].keys() == expected.keys(), (
+        f"the state dict's names differ from eager init's: {sorted(got['state'].keys() ^ expected.keys())}: "
+        f"materialize every parameter and buffer in place, under its own name")
     for name, tensor in expected.items():
         assert torch.equal(got["state"][name], tensor), \
             f"{name} differs from eager init under the same seed (the RNG must be consumed in eager order)"

@@ -146,11 +146,11 @@ def test_prefetch_order_and_at_most_two_units_unsharded():
 def test_prefetch_with_frozen_base_weights(world_size):
     """LoRA-style blocks with prefetching on: adapter gradients and one AdamW step equal one process; at most two
     non-root units unsharded (the one computing and the one prefetched) at any sampled moment; none after."""
-    check_lora(run_ranks(lora_run, world_size, 6, True), world_size)
+    check_lora(run_ranks(lora_run, world_size, 6, True), world_size, prefetch=True)
 
 
 def test_prefetch_with_activation_checkpointing():
     """Activation checkpointing (around each unit, around a block inside a unit) with prefetching on: gradients
     equal one process, at most two non-root units unsharded, recomputation included: a forward that runs during
     backward neither records the order nor prefetches."""
-    check_checkpointing(run_ranks(checkpointing_run, 2, 6, True, timeout=90), 2)
+    check_checkpointing(run_ranks(checkpointing_run, 2, 6, True, timeout=90), 2, prefetch=True)
