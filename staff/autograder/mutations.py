@@ -137,7 +137,7 @@ MUTANTS: list[Mutant] = [
            "            flat_param.use_unsharded_views()\n",
            "sets the views only when it gathers: views made under no_grad stay and cut the gradient path",
            "", "test_eval_under_no_grad_then_train"),
-    Mutant("m15", 3, "    if param_dtype is not None and shard.dtype != param_dtype:\n        shard = shard.to(param_dtype)\n",
+    Mutant("m15", 3, "    if shard.dtype != dtype:\n        shard = shard.to(dtype)\n",
            "",
            "all-gathers the fp32 shard into the low-precision buffer (no cast to param_dtype)", "", "test_mixed_precision_gathers_and_reduces_in_the_right_dtypes"),
     Mutant("m16", 3, "    if unit.param_dtype is None or not unit.cast_forward_inputs:",
@@ -365,6 +365,11 @@ MUTANTS += [
            "        if not unit.shared.prefetch:\n",
            "a forward recomputed during backward (activation checkpointing) records the order and prefetches "
            "units whose backward is already done"),
+    Mutant("c07", 4, "        unit.training_state = TrainingState.POST_BACKWARD\n        for flat_param in unit.flat_params:\n",
+           "        if unit.training_state == TrainingState.POST_BACKWARD:\n            return\n"
+           "        unit.training_state = TrainingState.POST_BACKWARD\n        for flat_param in unit.flat_params:\n",
+           "post-backward runs once per unit and backward: a unit run twice in forward keeps its second run's "
+           "gradient and parameters unsharded", "", "test_unit_run_twice_and_detached_output"),
 ]
 
 

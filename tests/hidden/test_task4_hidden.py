@@ -1,7 +1,8 @@
 """Task 4 (hidden): gradients accumulate over backward passes (no zero_grad in between), with nested units, frozen
 parameters, a unit that never runs, and padding on W=3; backward really frees full parameters and gradients; a
 forward under torch.no_grad() (evaluation) followed by a training step still gives every parameter its gradient;
-a unit whose forward returns several tensors is re-gathered for backward whichever of its outputs the loss uses."""
+a unit whose forward returns several tensors is re-gathered for backward whichever of its outputs the loss uses;
+LoRA-style frozen units behind a frozen embedding; a unit run twice and a unit whose output is detached."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn as nn
 
 import adapters
 from fsdp_assignment.support.memory import LiveStorageTracker
-from fsdp_assignment.support.models import GPT, GPTConfig, ToyMLP, gpt_batch, gpt_loss
+from fsdp_assignment.support.models import GPT, GPTConfig, ScaledResidual, ToyMLP, gpt_batch, gpt_loss
 from fsdp_assignment.support.state import fsdp_units
 from tests.harness import run_ranks
 from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard, hand_shard,
@@ -209,3 +210,59 @@ def test_frozen_embedding_and_a_fully_frozen_unit():
     one AdamW step equal one process, one non-root unit unsharded at a time during backward, none after."""
     world_size = 3
     check_lora(run_ranks(lora_run, world_size, 4, False, True, 2), world_size, freeze_embedding=True, frozen_block=2)
+
+
+class TwiceAndDetached(nn.Module):
+    """A unit run twice in one forward (``shared``) and a unit whose output is detached (``side``: it runs forward
+    but autograd never reaches it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(13, 29)
+        self.shared = ScaledResidual(29, 37)
+        self.side = nn.Linear(29, 29)
+        self.head = nn.Linear(29, 7)
+
+    def forward(self, x):
+        h = self.shared(self.shared(self.embed(x)))
+        return self.head(h + self.side(h).detach())
+
+
+def _twice_and_detached(rank, world_size):
+    torch.manual_seed(0)
+    model = TwiceAndDetached()
+    hand_shard(model, [model.shared, model.side, model])
+    x = _inputs(world_size, 0)[BATCH * rank:BATCH * (rank + 1)]
+    model(x).pow(2).mean().backward()
+    return {"flat": describe_flat_params(model, grads=True), "sizes": unsharded_storage_sizes(model),
+            "full_grads_alive": sum(fp.unsharded.grad is not None for u in adapters.fsdp_units(model)
+                                    for fp in u.flat_params)}
+
+
+def test_unit_run_twice_and_detached_output():
+    """Neither hangs nor stays unsharded: the unit run twice gets the sum of both runs' gradients, the unit whose
+    output was detached gets none (or zeros), and every unit is resharded when backward returns."""
+    world_size = 2
+    results = run_ranks(_twice_and_detached, world_size, timeout=30)
+    torch.manual_seed(0)
+    model = TwiceAndDetached()
+    model(_inputs(world_size, 0)).pow(2).mean().backward()
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
+             for n, p in model.named_parameters(remove_duplicate=False)}
+    for rank, got in enumerate(results):
+        for desc in got["flat"]:
+            unit = desc["prefix"] or "<root>"
+            if not desc["requires_grad"]:
+                assert desc["grad"] is None, f"rank {rank}: frozen parameters of {unit} must get no gradient"
+            elif unit == "side.":
+                assert desc["grad"] is None or not desc["grad"].any(), \
+                    f"rank {rank}: unit {unit}'s output was detached, so it must have no (or a zero) gradient"
+            else:
+                assert desc["grad"] is not None, f"rank {rank}: unit {unit} has no gradient after backward"
+                assert_close(desc["grad"], expected_shard(desc, grads), (
+                    f"rank {rank}: gradient shard of unit {unit} (the unit run twice must get the sum of both "
+                    f"runs' gradients, reduced once per post-backward)"))
+        assert got["full_grads_alive"] == 0, f"rank {rank}: full (unsharded) gradients alive after backward"
+        assert all(s == 0 for s in got["sizes"]), (
+            f"rank {rank}: units still unsharded after backward: {got['sizes']} (a unit run twice, or one whose "
+            f"output was detached, must be resharded too: the final callback is the backstop)")
