@@ -365,11 +365,11 @@ MUTANTS += [
            "        if not unit.shared.prefetch:\n",
            "a forward recomputed during backward (activation checkpointing) records the order and prefetches "
            "units whose backward is already done"),
-    Mutant("c07", 4, "        unit.training_state = TrainingState.POST_BACKWARD\n        for flat_param in unit.flat_params:\n",
+    Mutant("c07", 4, "        unit.training_state = TrainingState.PRE_BACKWARD\n        with torch.enable_grad():\n",
            "        if unit.training_state == TrainingState.POST_BACKWARD:\n            return\n"
-           "        unit.training_state = TrainingState.POST_BACKWARD\n        for flat_param in unit.flat_params:\n",
-           "post-backward runs once per unit and backward: a unit run twice in forward keeps its second run's "
-           "gradient and parameters unsharded", "", "test_unit_run_twice_and_detached_output"),
+           "        unit.training_state = TrainingState.PRE_BACKWARD\n        with torch.enable_grad():\n",
+           "pre-backward runs once per unit and backward: a unit run twice in forward is not re-gathered for its "
+           "first run's backward", "", "test_unit_run_twice_and_detached_output"),
 ]
 
 
