@@ -370,6 +370,19 @@ MUTANTS += [
            "        unit.training_state = TrainingState.PRE_BACKWARD\n        with torch.enable_grad():\n",
            "pre-backward runs once per unit and backward: a unit run twice in forward is not re-gathered for its "
            "first run's backward", "", "test_unit_run_twice_and_detached_output"),
+    Mutant("c08", 1, "                restore.append((name, materialized[id(p)]))\n",
+           "                restore.append((name, materialized[id(p)]))\n                continue\n",
+           "a tied weight's later owner is initialized on the meta tensor: its init consumes no random numbers, "
+           "so every module after it differs", "meta init that consumes the RNG in another order",
+           "test_meta_init_replays_the_rng_exactly"),
+    Mutant("c09", 4, "                flat_param.unsharded.grad = None\n", "",
+           "post-backward reduces the full gradient but keeps it on unsharded.grad: a full gradient per unit "
+           "stays alive", "", "test_backward_really_frees_full_parameters_and_gradients"),
+    Mutant("c10", 4, "                self.post_backward(unit)\n        self.wait_for_reductions(shared)\n",
+           "                self.wait_for_reductions(shared)\n                self.post_backward(unit)\n",
+           "the final callback waits for reductions before its backstop post-backwards: their async "
+           "reduce-scatters (the root, the first block behind a frozen embedding) are in flight when backward "
+           "returns", "reduce-scatter not finished before step", "test_prefetch_with_frozen_embedding_and_a_fully_frozen_unit"),
 ]
 
 
