@@ -151,7 +151,9 @@ def test_resume_keeps_padding_zero_and_matches():
             block.scale.mul_(i + 2)
     for rank, got in enumerate(results):
         for kind in ("sharded", "full"):
-            assert got["buffers"][kind].keys() == dict(toy.named_buffers()).keys()
+            assert got["buffers"][kind].keys() == dict(toy.named_buffers()).keys(), (
+                f"rank {rank}: the buffers restored from the {kind} state dict are {sorted(got['buffers'][kind])}, "
+                f"expected every persistent buffer under its name: {sorted(dict(toy.named_buffers()))}")
             for name, b in toy.named_buffers():
                 assert torch.equal(got["buffers"][kind][name], b), (
                     f"rank {rank}: buffer {name} after loading a {kind} model state dict: buffers (here changed "

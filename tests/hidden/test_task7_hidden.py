@@ -167,7 +167,9 @@ def test_mixed_precision_gathers_and_reduces_in_the_right_dtypes():
         assert meta[True]["dtypes"] == ["torch.bfloat16"], (
             f"rank {rank}: after meta-device init of a model sharded with param_dtype=bf16, forward sees "
             f"{meta[True]['dtypes']} parameters: materialization must keep the unsharded buffers in param_dtype")
-        assert len(meta[True]["flat"]) == len(meta[False]["flat"]) == CFG.n_layer + 1
+        assert len(meta[True]["flat"]) == len(meta[False]["flat"]) == CFG.n_layer + 1, (
+            f"rank {rank}: {len(meta[True]['flat'])} and {len(meta[False]['flat'])} FlatParameters with and without "
+            f"meta-device init; expected one per unit ({CFG.n_layer + 1}: the blocks and the root)")
         for a, b in zip(meta[True]["flat"], meta[False]["flat"]):
             assert a["grad"] is not None and b["grad"] is not None and torch.equal(a["grad"], b["grad"]), (
                 f"rank {rank}: unit '{a['prefix'] or '<root>'}': gradients after meta-device init differ from eager "
