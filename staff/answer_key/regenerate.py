@@ -192,7 +192,9 @@ def derive(results: Path) -> list[str]:
 
     section(lines, "Q16 (scaling.json)")
     for r in scaling.get("results") or []:
-        lines.append(f"- {r.get('strategy')}, W = {r.get('world_size')}: {fmt(r.get('psi_params'))} parameters, "
+        kind = f"{r['scaling']} scaling, global batch {r.get('global_batch')}, {r.get('batch_per_rank')} per rank; " \
+            if r.get("scaling") else ""
+        lines.append(f"- {kind}{r.get('strategy')}, W = {r.get('world_size')}: {fmt(r.get('psi_params'))} parameters, "
                      f"step {fmt(r.get('step_s', 0) * 1e3, ' ms')}, efficiency {fmt(r.get('efficiency'))}, peak "
                      f"{fmt(r.get('peak_bytes', 0) / MIB, ' MiB')} per rank ({fmt(r.get('peak_vs_base'))}x the smallest W)")
 
