@@ -229,6 +229,8 @@ def main(argv=None) -> dict:
     g.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
     p.add_argument("--steps", type=int, default=2, help="measured AdamW steps after one warm-up step")
     p.add_argument("--checkpointing", choices=["both", "off", "on"], default="both")
+    # a 124M-parameter model on a loaded CPU: two modes x (build + 3 steps) can take well over 10 minutes
+    p.set_defaults(timeout=3600)
     args = cli.parse(p, argv, NAME, QUICK)
     modes = {"both": [False, True], "off": [False], "on": [True]}[args.checkpointing]
     payload = {"layers": args.layers, "n_embd": args.n_embd, "n_head": args.n_head, "vocab": args.vocab,
