@@ -97,12 +97,14 @@ class RegisterPostBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hooks, unit, *inputs):
+        """Keep ``hooks`` and ``unit`` on ``ctx``; return the inputs unchanged (as a tuple of views of them)."""
         ctx.hooks, ctx.unit = hooks, unit
-        # Return views, not the inputs themselves: an autograd Function must not return its inputs as is.
+        # Views: new tensors whose grad_fn is this Function, holding the inputs' data (no copy).
         return tuple(t.view_as(t) for t in inputs)
 
     @staticmethod
     def backward(ctx, *grads):
+        """Call ``ctx.hooks.post_backward(ctx.unit)``; pass the gradients through (None for hooks and unit)."""
         ctx.hooks.post_backward(ctx.unit)
         return (None, None) + grads
 
