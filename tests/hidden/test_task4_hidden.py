@@ -193,6 +193,8 @@ def test_eval_under_no_grad_then_train():
     grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
     for rank, got in enumerate(results):
         for reshard_after_forward, descs in got.items():
+            check_flat_params(descs, model, [f"blocks.{i}." for i in range(CFG.n_layer)] + [""],
+                              f"rank {rank}, reshard_after_forward={reshard_after_forward}")
             for desc in descs:
                 where = (f"rank {rank}, reshard_after_forward={reshard_after_forward}, unit "
                          f"'{desc['prefix'] or '<root>'}'")

@@ -14,7 +14,8 @@ from fsdp_assignment.support.memory import LiveStorageTracker
 from fsdp_assignment.support.state import named_flat_params
 from tests.harness import run_ranks
 from fsdp_assignment.support.models import GPT, GPTConfig, ToyMLP, gpt_loss
-from tests.public.common import assert_close, expected_shard, hand_shard, hand_shard_gpt, local_batch, unit_numels
+from tests.public.common import (assert_close, check_flat_params, expected_shard, hand_shard, hand_shard_gpt,
+                                 local_batch, unit_numels)
 # The rank bodies and set-up are the public tests' own (one copy); these tests check other cases with them.
 from tests.public.test_task5_optim_ckpt import CFG, _clip, _sharded_model, _train, single_process_clip
 
@@ -31,6 +32,7 @@ def test_clip_grad_norm_below_max_norm_changes_nothing():
         assert torch.equal(got["norm"], results[0]["norm"]), \
             f"rank {rank}: returned norm {got['norm']} differs from rank 0's {results[0]['norm']} (it is global)"
         assert_close(got["norm"], norm, f"rank {rank}: returned norm (the global norm over all ranks)")
+        check_flat_params(got["flat"], GPT(CFG), [f"blocks.{i}." for i in range(CFG.n_layer)] + [""], f"rank {rank}")
         for desc in got["flat"]:
             assert_close(desc["grad"], expected_shard(desc, grads), (
                 f"rank {rank}: gradient shard of unit '{desc['prefix'] or '<root>'}' after clip_grad_norm_ with a "

@@ -10,7 +10,7 @@ import adapters
 from fsdp_assignment.support.memory import LiveStorageTracker
 from fsdp_assignment.support.models import GPT, GPTConfig, TiedModel, ToyMLP
 from tests.harness import run_ranks
-from tests.public.common import describe_flat_params, expected_shard, hand_shard_gpt
+from tests.public.common import check_flat_params, describe_flat_params, expected_shard, hand_shard_gpt
 
 pytestmark = pytest.mark.task2
 
@@ -181,7 +181,9 @@ def test_sharded_meta_init_matches_eager_init_one_unit_at_a_time(world_size):
     torch.manual_seed(99)
     eager = GPT(GPTConfig())
     full = {n: p for n, p in eager.named_parameters(remove_duplicate=False)}
+    units = [f"blocks.{i}." for i in range(eager.cfg.n_layer)] + [""]  # hand_shard_gpt: blocks, then the root
     for rank, got in enumerate(results):
+        check_flat_params(got["flat"], eager, units, f"rank {rank}")  # every unit there, owning what it should
         for desc in got["flat"]:
             assert torch.equal(desc["shard"], expected_shard(desc, full)), \
                 f"rank {rank}: shard of unit '{desc['prefix'] or '<root>'}' differs from eager init"

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, gpt_batch, gpt_loss
 from tests.harness import run_ranks
-from tests.public.common import (assert_close, describe_flat_params, expected_shard, full_params_of,
+from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard, full_params_of,
                                  hand_shard_gpt, local_batch, train_single_process)
 
 pytestmark = pytest.mark.task5
@@ -86,6 +86,7 @@ def test_clip_grad_norm_uses_the_global_norm():
     assert norm > max_norm, "test set-up: the norm must exceed max_norm so clipping happens"
     for rank, got in enumerate(results):
         assert_close(got["norm"], norm, f"rank {rank}: returned norm (must be the global norm over all ranks)")
+        check_flat_params(got["flat"], GPT(CFG), GPT_UNITS, f"rank {rank}")
         for desc in got["flat"]:
             assert_close(desc["grad"], expected_shard(desc, grads), f"rank {rank}: clipped gradient shard")
 
