@@ -417,6 +417,9 @@ KIND_OF: dict[str, str] = {
     "g07": "waste", "g08": "lifecycle", "g09": "waste", "g10": "precision", "g11": "waste", "g12": "checkpoint",
     "g13": "checkpoint", "g14": "memory", "g15": "memory", "g16": "waste", "g17": "waste", "g18": "waste",
     "g19": "memory", "g20": "async", "g21": "precision", "g22": "precision", "g23": "memory",
+    # core's block (frozen units, activation checkpointing, units run twice)
+    "c01": "lifecycle", "c02": "lifecycle", "c03": "lifecycle", "c04": "lifecycle", "c05": "lifecycle",
+    "c06": "waste", "c07": "lifecycle", "c08": "rng", "c09": "memory", "c10": "async",
 }
 
 
