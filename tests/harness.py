@@ -94,8 +94,8 @@ STOPPED_POLL_S = 1.0  # how often the parent looks for stopped ranks while it wa
 STOPPED_GRACE_S = 2.0  # a rank stopped this long is a failure (a stop the body resumes itself is fine)
 _TAG_BYTES = 32  # HMAC-SHA256 of each message under the run's nonce
 _FORBIDDEN_PREFIX = b"\x00fsdp-harness-forbidden\x00"
-MEMORY_AS_SLACK_BYTES = 256 << 20  # address space a rank may reserve beyond its memory limit: the reference
-# reserves at most 63 MiB more after the limit is set (measured over every public and hidden test); 4x that
+MEMORY_AS_SLACK_BYTES = 256 << 20  # address space a rank may reserve beyond its memory limit: a correct
+# implementation reserves at most 63 MiB more after the limit is set (measured over every public and hidden test); 4x that
 
 # One forkserver per pytest process, started on first use. Preloading this module (by the name pytest gave it)
 # also preloads torch, torch.distributed and pytest, which test modules import again in every rank.
@@ -693,7 +693,7 @@ def _run_body(config: dict, sendable):
     if config.get("run_as") is not None:  # last: the harness and the test module were set up as ourselves
         _drop_privileges(*config["run_as"])
     if os.environ.get("FSDP_TRACE_TASK_CALLS"):  # staff/autograder/measure_times.py: which task functions run
-        _trace_task_calls(os.environ["FSDP_TRACE_TASK_CALLS"])  # (staff runs of the reference: guard unarmed,
+        _trace_task_calls(os.environ["FSDP_TRACE_TASK_CALLS"])  # (staff timing runs only: guard unarmed,
     else:                                                         # since tracing is what the guard forbids)
         sys.audit(_ARM_EVENT)  # from here on, reaching into the harness closes the result channel
     result = body(rank, world_size, *args)
@@ -716,7 +716,7 @@ _REPORT_EVENT = "fsdp.harness.report"
 _ARM_EVENT = "fsdp.harness.arm"
 # Audit events (PEP 578) by which Python code reaches objects it holds no reference to: the garbage collector's
 # object lists, other threads' frames, tracing (which can jump a frame to any line), ctypes (raw memory), and
-# /proc/<pid>/mem. No test body or correct task file needs them (measured on the reference: none occurs).
+# /proc/<pid>/mem. No test body or correct task file needs them (measured on the staff solution: none occurs).
 _FORBIDDEN_EVENTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
                                "sys.settrace", "sys.setprofile"})
 
