@@ -8,7 +8,7 @@ and without activation checkpointing; per-rank peak memory next to the 16Ψ/W + 
 
 Every rank builds GPT-2 small's shape (fsdp_assignment/support/models.py's GPT: 12 blocks, n_embd 768, 12 heads,
 vocab 50257, 1024 positions, tied head: Ψ = 124.4M) on the ``meta`` device, wraps each block and then the root with
-``adapters.fully_shard`` (the reference implementation by default; FSDP_IMPL=student for yours), and materializes
+``adapters.fully_shard`` (the implementation ``FSDP_IMPL`` selects), and materializes
 it with ``adapters.materialize_meta_module``: unit by unit, so no rank ever holds the full model (the "init peak"
 column). It then takes one warm-up AdamW step (the optimizer state exists from then on) and --steps measured steps
 on a batch of --batch x --seq tokens per rank; a step's peak is the median of those steps' peaks (worst rank), its

@@ -6,8 +6,8 @@
         benchmarks/train_gpt.py --world-sizes 4                           # the same command on every node
 
 The training example of the cluster instructions (benchmarks/README.md), and CI's multi-node check: every rank
-builds the same GPT (seed 0), wraps each block and then the root with ``adapters.fully_shard`` (the reference
-implementation by default, FSDP_IMPL=student for yours), and takes ``--steps`` AdamW steps on its 1/W slice of a
+builds the same GPT (seed 0), wraps each block and then the root with ``adapters.fully_shard`` (the
+implementation ``FSDP_IMPL`` selects), and takes ``--steps`` AdamW steps on its 1/W slice of a
 global batch of W x --batch sequences. Rank 0 then trains the same model in one process on the whole global batch
 (the mean loss over W equal slices equals the mean over the batch, and FSDP's reduce-scatter averages over W), and
 compares every parameter gathered with ``adapters.gather_full_params``:

@@ -123,8 +123,8 @@ def _train_table(md: str) -> list[list[str]]:
 @pytest.mark.slow  # minutes: SLURM jobs, torch start-up in every rank
 @pytest.mark.timeout(420)
 def test_submitit_two_nodes_trains_like_one_process(tmp_path):
-    """W=4 as 2 nodes x 2 tasks through submitit: ranks on both namespaces, GPT trained with FSDP (reference
-    through adapters) equals one process within 1e-5 (relative, in norm)."""
+    """W=4 as 2 nodes x 2 tasks through submitit: ranks on both namespaces, GPT trained with FSDP (through
+    adapters) equals one process within 1e-5 (relative, in norm)."""
     require_two_nodes()
     from benchmarks import train_gpt
 
