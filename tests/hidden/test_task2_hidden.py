@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import adapters
 from fsdp_assignment.support.models import TiedModel, ToyMLP
 from tests.harness import run_ranks
+from tests.hidden.test_task1_hidden import TiedMiddle, WithBufferOnly  # Task 1's init-order models, sharded here
 from tests.public.common import check_flat_params, describe_flat_params, expected_shard, hand_shard
 
 pytestmark = pytest.mark.task2
@@ -101,50 +102,6 @@ def test_padding_edge_cases():
 
 
 # ---- meta-device init of sharded units (Task 1's materialize_meta_module over Task 2's FlatParameters) ----
-class TiedMiddle(nn.Module):
-    """A tied weight whose later owner (``proj``) sits in the middle of the init order: the numbers its eager
-    init consumed decide the values of every module after it."""
-
-    def __init__(self, vocab: int = 17, dim: int = 7):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.proj = nn.Linear(dim, vocab, bias=False)
-        self.proj.weight = self.embed.weight
-        self.mix = nn.Linear(dim, dim)
-        self.out = nn.Linear(dim, 5)
-
-    def forward(self, idx):
-        return self.out(torch.tanh(self.mix(self.embed(idx))))
-
-
-class BufferOnly(nn.Module):
-    """Owns a buffer and no parameter (a fixed table, a running statistic); its init draws random numbers, so
-    its place in the init order matters too."""
-
-    def __init__(self, dim: int = 7):
-        super().__init__()
-        self.register_buffer("table", torch.empty(dim))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            self.table.normal_()
-
-    def forward(self, x):
-        return x + self.table
-
-
-class WithBufferOnly(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(5, 7)
-        self.pos = BufferOnly(7)
-        self.out = nn.Linear(7, 3)
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.pos(self.inp(x))))
-
-
 def _nested_toy_units(model):
     return [m for b in model.blocks for m in (b.inner, b)] + [model]
 
