@@ -25,7 +25,9 @@ def unshard(flat_param: FlatParameter, group: dist.ProcessGroup | None = None, *
     """All-gather every rank's shard of ``flat_param`` into ``flat_param.unsharded``.
 
     Allocates the unsharded storage (``alloc_unsharded``), casts this rank's shard to ``unsharded``'s dtype
-    (mixed precision: the FlatParameter was built with ``unsharded_dtype=param_dtype``), and all-gathers into
+    (mixed precision: the FlatParameter was built with ``unsharded_dtype=param_dtype``) and device (the CPU
+    offload bonus keeps the shard on the CPU and ``unsharded`` on the compute device: the copy is
+    non-blocking, from pinned memory, where the device allows), and all-gathers into
     ``unsharded`` so that shard r lands at offset ``r * shard_numel``. ``param_dtype``, when given, must be
     ``unsharded``'s dtype (``ValueError`` otherwise: the buffer's dtype is fixed when it is built). With
     ``async_op=True`` returns the collective's work handle (the caller must ``wait()`` before using the

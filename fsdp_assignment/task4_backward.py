@@ -54,7 +54,8 @@ def reduce_scatter_grad(flat_param: FlatParameter, unsharded_grad: torch.Tensor,
 
 
 def accumulate_shard_grad(flat_param: FlatParameter, grad_shard: torch.Tensor) -> None:
-    """Add a reduced gradient shard into ``flat_param.shard.grad`` (in the shard's dtype)."""
+    """Add a reduced gradient shard into ``flat_param.shard.grad`` (in the shard's dtype, on the shard's device:
+    the CPU offload bonus reduces on the compute device and keeps gradients on the CPU)."""
     raise NotImplementedError("Task 4: implement accumulate_shard_grad() in fsdp_assignment/task4_backward.py (see its docstring)")
 
 

@@ -5,7 +5,9 @@ built over them keeps state for 1/W of the model: that is all "sharding the opti
 care is everything that looks at the model as a whole:
 
 - the gradient norm for clipping is global: sum of squares over every rank's shard, all-reduced once (the
-  padding is zero, and a tied parameter is stored once, so nothing is counted twice);
+  padding is zero, and a tied parameter is stored once, so nothing is counted twice) over the group the units
+  are sharded over (``unit.group``: the default group, or with the HSDP bonus the shard group, since every
+  replica holds the same gradient shards and summing over replicas would count each one R times);
 - state dicts speak the original parameter names (``blocks.0.attn.c_attn.weight``), never flat shards, so a
   checkpoint loads into a plain model (full) or into the same sharding (sharded), and resuming from one is
   indistinguishable from never stopping.
@@ -24,6 +26,8 @@ Loading a full state dict: pass the same full dict on every rank. Loading restor
 buffers and the optimizer's hyperparameters (each param group's lr, weight decay, ...) included, as
 ``torch.optim.Optimizer.load_state_dict`` does. A full state dict exists on rank 0 only: the other ranks take
 part in every gather but keep none of it, so they never hold more than one unit's gathered state at a time.
+Gathers run over each unit's own group (``unit.group``; HSDP bonus: the shard group, each replica gathering its
+own copy) and on its compute device (``unsharded``'s: with the CPU offload bonus shards live on the CPU).
 """
 # This file is generated from the staff reference by staff/make_stubs.py: the signatures and
 # docstrings are the specification. Replace each `raise NotImplementedError` with your code; you may
@@ -34,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from .support.state import named_flat_params
+from .support.state import fsdp_units, named_flat_params
 
 
 def get_sharded_optimizer(module: nn.Module, optimizer_cls, **kwargs) -> torch.optim.Optimizer:
@@ -45,15 +49,18 @@ def get_sharded_optimizer(module: nn.Module, optimizer_cls, **kwargs) -> torch.o
 @torch.no_grad()
 def clip_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale every shard gradient so the global L2 norm is at most ``max_norm``; return the global norm
-    (the same on every rank, and equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model)."""
+    (the same on every rank, and equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model).
+    The sum of squares is all-reduced once, over the units' group (``unit.group``; ``ValueError`` when the
+    units are sharded over different groups), on the units' compute device (``unsharded``'s)."""
     raise NotImplementedError("Task 5: implement clip_grad_norm_() in fsdp_assignment/task5_optim_ckpt.py (see its docstring)")
 
 
 @torch.no_grad()
-def gather_full(flat_param, local: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def gather_full(flat_param, local: torch.Tensor | None = None, group=None) -> dict[str, torch.Tensor]:
     """All-gather ``flat_param``'s shards (or ``local``, any tensor laid out like the shard, e.g. optimizer
-    state) and split the result into full tensors keyed by every name the FlatParameter answers to (tied
-    parameters under each of their names). A collective: every rank calls it."""
+    state) over ``group`` (None: the default group; pass the unit's ``group``) and split the result into full
+    tensors keyed by every name the FlatParameter answers to (tied parameters under each of their names),
+    on ``unsharded``'s device. A collective: every rank of ``group`` calls it."""
     raise NotImplementedError("Task 5: implement gather_full() in fsdp_assignment/task5_optim_ckpt.py (see its docstring)")
 
 

@@ -11,6 +11,18 @@ registers the unit's whole life cycle (Task 6's ``PrefetchHooks``, which extends
 which extends Task 3's ``ForwardHooks``), and swaps the module's class for a subclass that also inherits
 ``FSDPModule`` (as PyTorch's FSDP2 does), adding FSDP methods. The tree of units is set up lazily, at the
 first forward: the unit whose forward runs first is the root (``lazy_init``).
+
+Two bonus keywords, spelled as FSDP2 spells them (the required tasks never pass them):
+
+- ``mesh``: a ``DeviceMesh``. 1-D: shard over its ranks. 2-D ``(R, S)`` (HSDP, hybrid sharding): dim 0
+  replicates and dim 1 shards, as in FSDP2. Each unit is sharded S ways over its shard group (all-gathers
+  and reduce-scatters of S ranks) and replicated over its replicate group of R ranks, across which each
+  reduced gradient shard is all-reduced once per unit and step (``_HybridHooks``): the gradient is the mean
+  over all R x S ranks, and every replica keeps identical shards.
+- ``offload_policy``: ``torch.distributed.fsdp.CPUOffloadPolicy`` keeps the shards, their gradients and so
+  the optimizer state on the CPU (pinned where the device allows); a unit's unsharded buffer, its full
+  gradient and its collectives stay on the compute device. The copies are Tasks 3 and 4's: ``unshard``
+  copies the shard to the device before the all-gather, ``accumulate_shard_grad`` the gradient shard back.
 """
 # This file is generated from the staff reference by staff/make_stubs.py: the signatures and
 # docstrings are the specification. Replace each `raise NotImplementedError` with your code; you may
@@ -22,8 +34,11 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from .support.state import FSDPUnit, fsdp_units, init_shared_state, named_flat_params
 from .task2_flat_param import FlatParameter
+from .task4_backward import accumulate_shard_grad, reduce_scatter_grad
 from .task5_optim_ckpt import gather_full
 from .task6_prefetch import PrefetchHooks
 FLAT_PARAM_NAMES = ("_fsdp_flat_param", "_fsdp_flat_param_frozen")
@@ -41,7 +56,8 @@ class FSDPModule:
         raise NotImplementedError("Task 7: implement FSDPModule.set_requires_gradient_sync() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
 
-def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision=None) -> nn.Module:
+def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision=None, mesh=None,
+                offload_policy=None) -> nn.Module:
     """Make ``module`` one FSDP unit, in place, and return it.
 
     The unit owns every parameter in ``module``'s subtree that no child unit owns (call ``fully_shard`` on
@@ -54,8 +70,23 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     ``fully_shard`` to a module that contains every user of the tied parameter instead). A tied parameter
     is kept under the first of its names in ``module.named_parameters(remove_duplicate=False)`` order.
     Registers, in this order, a forward pre-hook that calls ``lazy_init`` at the first forward, then
-    ``PrefetchHooks().register(unit)``.
+    ``PrefetchHooks().register(unit)`` (``_HybridHooks`` when the mesh replicates).
+
+    Bonus keywords (see the module docstring): ``mesh``, a 1-D or 2-D ``DeviceMesh`` (None: the default
+    group); with a 2-D mesh ``(R, S)`` the FlatParameters are built for the rank's place in its shard group
+    (``rank = dist.get_rank(shard_group)``, ``world_size = S``), ``unit.group`` is the shard group and
+    ``unit.replicate_group`` the replicate group (``TypeError`` for anything but a DeviceMesh, ``ValueError``
+    for more than 2 dimensions). ``offload_policy``: None or ``OffloadPolicy()`` (no offload) or
+    ``CPUOffloadPolicy(pin_memory=...)``: each shard is moved to the CPU (pinned when asked and a GPU is
+    there) while ``unsharded`` stays on the module's device; a module on ``meta`` cannot be offloaded
+    (``NotImplementedError``: materialize it first). Every unit of one model takes the same ``mesh``.
     """
+    # Bonus guards: delete them when you implement the bonus (handout, Bonus).
+    if mesh is not None and (mesh.ndim != 1 or mesh.size() != dist.get_world_size()):
+        raise NotImplementedError("Bonus (HSDP): fully_shard(mesh=<2-D DeviceMesh>) is not implemented")
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("Bonus (CPU offload): fully_shard(offload_policy=CPUOffloadPolicy()) is not "
+                                  "implemented")
     raise NotImplementedError("Task 7: implement fully_shard() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
 
@@ -75,5 +106,6 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
 
 
 def gather_full_params(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Original parameter names (relative to ``module``) -> full tensors, on every rank (a collective)."""
+    """Original parameter names (relative to ``module``) -> full tensors, on every rank (a collective over
+    each unit's ``group``)."""
     raise NotImplementedError("Task 7: implement gather_full_params() in fsdp_assignment/task7_fully_shard.py (see its docstring)")

@@ -30,7 +30,9 @@ def unshard(flat_param: FlatParameter, group: dist.ProcessGroup | None = None, *
     """All-gather every rank's shard of ``flat_param`` into ``flat_param.unsharded``.
 
     Allocates the unsharded storage (``alloc_unsharded``), casts this rank's shard to ``unsharded``'s dtype
-    (mixed precision: the FlatParameter was built with ``unsharded_dtype=param_dtype``), and all-gathers into
+    (mixed precision: the FlatParameter was built with ``unsharded_dtype=param_dtype``) and device (the CPU
+    offload bonus keeps the shard on the CPU and ``unsharded`` on the compute device: the copy is
+    non-blocking, from pinned memory, where the device allows), and all-gathers into
     ``unsharded`` so that shard r lands at offset ``r * shard_numel``. ``param_dtype``, when given, must be
     ``unsharded``'s dtype (``ValueError`` otherwise: the buffer's dtype is fixed when it is built). With
     ``async_op=True`` returns the collective's work handle (the caller must ``wait()`` before using the
@@ -50,8 +52,9 @@ def unshard(flat_param: FlatParameter, group: dist.ProcessGroup | None = None, *
                          f"FlatParameter with unsharded_dtype={param_dtype}")
     flat_param.alloc_unsharded()
     shard = flat_param.shard.detach()
-    if shard.dtype != dtype:
-        shard = shard.to(dtype)
+    if shard.dtype != dtype or shard.device != flat_param.unsharded.device:
+        # Stream-ordered before the collective, so a non-blocking host-to-device copy is safe here.
+        shard = shard.to(device=flat_param.unsharded.device, dtype=dtype, non_blocking=True)
     work = _all_gather_single(flat_param.unsharded.data, shard, group, async_op)
     return work if async_op else None
 

@@ -62,8 +62,10 @@ def reduce_scatter_grad(flat_param: FlatParameter, unsharded_grad: torch.Tensor,
 
 
 def accumulate_shard_grad(flat_param: FlatParameter, grad_shard: torch.Tensor) -> None:
-    """Add a reduced gradient shard into ``flat_param.shard.grad`` (in the shard's dtype)."""
-    grad_shard = grad_shard.to(flat_param.shard.dtype)
+    """Add a reduced gradient shard into ``flat_param.shard.grad`` (in the shard's dtype, on the shard's device:
+    the CPU offload bonus reduces on the compute device and keeps gradients on the CPU)."""
+    # A blocking copy when the devices differ: the CPU reads the gradient right after.
+    grad_shard = grad_shard.to(device=flat_param.shard.device, dtype=flat_param.shard.dtype)
     if flat_param.shard.grad is None:
         flat_param.shard.grad = grad_shard
     else:

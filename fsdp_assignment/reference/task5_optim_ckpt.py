@@ -5,7 +5,9 @@ built over them keeps state for 1/W of the model: that is all "sharding the opti
 care is everything that looks at the model as a whole:
 
 - the gradient norm for clipping is global: sum of squares over every rank's shard, all-reduced once (the
-  padding is zero, and a tied parameter is stored once, so nothing is counted twice);
+  padding is zero, and a tied parameter is stored once, so nothing is counted twice) over the group the units
+  are sharded over (``unit.group``: the default group, or with the HSDP bonus the shard group, since every
+  replica holds the same gradient shards and summing over replicas would count each one R times);
 - state dicts speak the original parameter names (``blocks.0.attn.c_attn.weight``), never flat shards, so a
   checkpoint loads into a plain model (full) or into the same sharding (sharded), and resuming from one is
   indistinguishable from never stopping.
@@ -24,6 +26,8 @@ Loading a full state dict: pass the same full dict on every rank. Loading restor
 buffers and the optimizer's hyperparameters (each param group's lr, weight decay, ...) included, as
 ``torch.optim.Optimizer.load_state_dict`` does. A full state dict exists on rank 0 only: the other ranks take
 part in every gather but keep none of it, so they never hold more than one unit's gathered state at a time.
+Gathers run over each unit's own group (``unit.group``; HSDP bonus: the shard group, each replica gathering its
+own copy) and on its compute device (``unsharded``'s: with the CPU offload bonus shards live on the CPU).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..support.state import named_flat_params
+from ..support.state import fsdp_units, named_flat_params
 from .task3_forward import _all_gather_single
 
 
@@ -44,32 +48,47 @@ def get_sharded_optimizer(module: nn.Module, optimizer_cls, **kwargs) -> torch.o
 @torch.no_grad()
 def clip_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale every shard gradient so the global L2 norm is at most ``max_norm``; return the global norm
-    (the same on every rank, and equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model)."""
-    grads = [fp.shard.grad for _, fp in named_flat_params(module) if fp.shard.grad is not None]
-    device = next((g.device for g in grads), torch.device("cpu"))
+    (the same on every rank, and equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model).
+    The sum of squares is all-reduced once, over the units' group (``unit.group``; ``ValueError`` when the
+    units are sharded over different groups), on the units' compute device (``unsharded``'s)."""
+    units = fsdp_units(module)
+    groups = list({id(u.group): u.group for u in units}.values())
+    if len(groups) > 1:
+        raise ValueError("clip_grad_norm_: the units are sharded over different process groups (meshes); "
+                         "shard every unit of the model over the same mesh")
+    flat_params = [fp for _, fp in named_flat_params(module)]
+    grads = [fp.shard.grad for fp in flat_params if fp.shard.grad is not None]
+    device = next((fp.unsharded.device for fp in flat_params), torch.device("cpu"))
     local_sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
-        local_sq += g.float().pow(2).sum()
-    dist.all_reduce(local_sq)  # sum of squares over all ranks: the global squared norm
+        local_sq += g.float().pow(2).sum().to(device)
+    # Sum of squares over the ranks of the shard group: the global squared norm.
+    dist.all_reduce(local_sq, group=groups[0] if groups else None)
     total_norm = local_sq.sqrt()
     # Same formula as torch.nn.utils.clip_grad_norm_, so the results match it.
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for g in grads:
-        g.mul_(clip_coef.to(g.dtype))
+        g.mul_(clip_coef.to(device=g.device, dtype=g.dtype))
     return total_norm
 
 
 @torch.no_grad()
-def gather_full(flat_param, local: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def gather_full(flat_param, local: torch.Tensor | None = None, group=None) -> dict[str, torch.Tensor]:
     """All-gather ``flat_param``'s shards (or ``local``, any tensor laid out like the shard, e.g. optimizer
-    state) and split the result into full tensors keyed by every name the FlatParameter answers to (tied
-    parameters under each of their names). A collective: every rank calls it."""
-    local = flat_param.shard.detach() if local is None else local.detach()
+    state) over ``group`` (None: the default group; pass the unit's ``group``) and split the result into full
+    tensors keyed by every name the FlatParameter answers to (tied parameters under each of their names),
+    on ``unsharded``'s device. A collective: every rank of ``group`` calls it."""
+    local = (flat_param.shard if local is None else local).detach().to(flat_param.unsharded.device)
     full = torch.empty(flat_param.padded_numel, dtype=local.dtype, device=local.device)
-    _all_gather_single(full, local, None, False)
+    _all_gather_single(full, local, group, False)
     unique = {name: full[off:off + n].view(shape).clone() for name, off, n, shape in
               zip(flat_param.param_names, flat_param.param_offsets, flat_param.numels, flat_param.shapes)}
     return {alias: unique[name] for alias, name in flat_param.aliases.items()}
+
+
+def _groups(module: nn.Module) -> dict[int, object]:
+    """id(flat_param) -> the group its unit is sharded over (what its gathers run on)."""
+    return {id(fp): unit.group for unit in fsdp_units(module) for fp in unit.flat_params}
 
 
 def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -83,9 +102,10 @@ def get_model_state_dict(module: nn.Module, *, full: bool) -> dict[str, torch.Te
     """The model's state dict under original names; ``full``: gathered on rank 0, else this rank's pieces."""
     out: dict[str, torch.Tensor] = {}
     keep = not full or dist.get_rank() == 0  # other ranks join every gather but keep nothing: rank 0's state
+    groups = _groups(module)
     for prefix, flat_param in named_flat_params(module):
         if full:
-            gathered = gather_full(flat_param)
+            gathered = gather_full(flat_param, group=groups[id(flat_param)])
             if keep:
                 out.update({prefix + name: t for name, t in gathered.items()})
         else:
@@ -117,6 +137,7 @@ def _flat_param_of_shards(module: nn.Module) -> dict[int, tuple[str, object]]:
 def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool) -> dict:
     """The optimizer's state under original parameter names (see the module docstring for the format)."""
     owners = _flat_param_of_shards(module)
+    groups = _groups(module)
     state: dict[str, dict] = {}
     groups = []
     for group in optimizer.param_groups:
@@ -133,7 +154,7 @@ def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
                 elif full:
                     # Optimizer state is laid out like the shard, so it gathers and splits like the parameters.
                     # Only rank 0 keeps it: the others would otherwise hold the whole model's state at once.
-                    gathered = gather_full(flat_param, value)
+                    gathered = gather_full(flat_param, value, groups[id(flat_param)])
                     if dist.get_rank() == 0:
                         for name in flat_param.param_names:
                             state[prefix + name][key] = gathered[name]

@@ -11,6 +11,18 @@ registers the unit's whole life cycle (Task 6's ``PrefetchHooks``, which extends
 which extends Task 3's ``ForwardHooks``), and swaps the module's class for a subclass that also inherits
 ``FSDPModule`` (as PyTorch's FSDP2 does), adding FSDP methods. The tree of units is set up lazily, at the
 first forward: the unit whose forward runs first is the root (``lazy_init``).
+
+Two bonus keywords, spelled as FSDP2 spells them (the required tasks never pass them):
+
+- ``mesh``: a ``DeviceMesh``. 1-D: shard over its ranks. 2-D ``(R, S)`` (HSDP, hybrid sharding): dim 0
+  replicates and dim 1 shards, as in FSDP2. Each unit is sharded S ways over its shard group (all-gathers
+  and reduce-scatters of S ranks) and replicated over its replicate group of R ranks, across which each
+  reduced gradient shard is all-reduced once per unit and step (``_HybridHooks``): the gradient is the mean
+  over all R x S ranks, and every replica keeps identical shards.
+- ``offload_policy``: ``torch.distributed.fsdp.CPUOffloadPolicy`` keeps the shards, their gradients and so
+  the optimizer state on the CPU (pinned where the device allows); a unit's unsharded buffer, its full
+  gradient and its collectives stay on the compute device. The copies are Tasks 3 and 4's: ``unshard``
+  copies the shard to the device before the all-gather, ``accumulate_shard_grad`` the gradient shard back.
 """
 
 from __future__ import annotations
@@ -21,8 +33,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
 from ..support.state import FSDPUnit, fsdp_units, init_shared_state, named_flat_params
 from .task2_flat_param import FlatParameter
+from .task4_backward import accumulate_shard_grad, reduce_scatter_grad
 from .task5_optim_ckpt import gather_full
 from .task6_prefetch import PrefetchHooks
 
@@ -53,7 +69,8 @@ def _fsdp_class(cls: type) -> type:
     return _FSDP_CLASSES[cls]
 
 
-def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision=None) -> nn.Module:
+def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_precision=None, mesh=None,
+                offload_policy=None) -> nn.Module:
     """Make ``module`` one FSDP unit, in place, and return it.
 
     The unit owns every parameter in ``module``'s subtree that no child unit owns (call ``fully_shard`` on
@@ -66,7 +83,16 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     ``fully_shard`` to a module that contains every user of the tied parameter instead). A tied parameter
     is kept under the first of its names in ``module.named_parameters(remove_duplicate=False)`` order.
     Registers, in this order, a forward pre-hook that calls ``lazy_init`` at the first forward, then
-    ``PrefetchHooks().register(unit)``.
+    ``PrefetchHooks().register(unit)`` (``_HybridHooks`` when the mesh replicates).
+
+    Bonus keywords (see the module docstring): ``mesh``, a 1-D or 2-D ``DeviceMesh`` (None: the default
+    group); with a 2-D mesh ``(R, S)`` the FlatParameters are built for the rank's place in its shard group
+    (``rank = dist.get_rank(shard_group)``, ``world_size = S``), ``unit.group`` is the shard group and
+    ``unit.replicate_group`` the replicate group (``TypeError`` for anything but a DeviceMesh, ``ValueError``
+    for more than 2 dimensions). ``offload_policy``: None or ``OffloadPolicy()`` (no offload) or
+    ``CPUOffloadPolicy(pin_memory=...)``: each shard is moved to the CPU (pinned when asked and a GPU is
+    there) while ``unsharded`` stays on the module's device; a module on ``meta`` cannot be offloaded
+    (``NotImplementedError``: materialize it first). Every unit of one model takes the same ``mesh``.
     """
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
@@ -75,6 +101,11 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     mp = mixed_precision
     if mp is not None and getattr(mp, "output_dtype", None) is not None:
         raise NotImplementedError("MixedPrecisionPolicy.output_dtype is not supported; cast the output yourself")
+    shard_group, replicate_group = _mesh_groups(mesh)
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be a torch.distributed.fsdp.CPUOffloadPolicy (or OffloadPolicy() "
+                        f"for none), not {type(offload_policy).__name__}")
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
 
     # Parameters a child unit owns were removed from their modules by that child's FlatParameter, so the
     # remaining named parameters (minus the children's shards) are exactly the ones this unit owns.
@@ -92,17 +123,20 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
         (trainable if param.requires_grad else frozen).append(name)
 
     param_refs = [weakref.ref(module.get_parameter(n)) for n in trainable + frozen]
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # The place of this rank in the group the unit is sharded over (the whole world without a mesh).
+    rank, world_size = dist.get_rank(shard_group), dist.get_world_size(shard_group)
     param_dtype = mp.param_dtype if mp is not None else None
     flat_params = []
     for names, attr in ((trainable, FLAT_PARAM_NAMES[0]), (frozen, FLAT_PARAM_NAMES[1])):
         if names:
             flat_param = FlatParameter(module, names, rank, world_size, unsharded_dtype=param_dtype)
+            if offload:
+                _offload_shard(flat_param, offload_policy.pin_memory)
             module.register_parameter(attr, flat_param.shard)
             flat_params.append(flat_param)
 
-    unit = FSDPUnit(module=module, flat_params=flat_params, reshard_after_forward=reshard_after_forward,
-                    param_dtype=param_dtype,
+    unit = FSDPUnit(module=module, flat_params=flat_params, group=shard_group, replicate_group=replicate_group,
+                    reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
                     reduce_dtype=(mp.reduce_dtype or param_dtype) if mp is not None else None,
                     cast_forward_inputs=mp.cast_forward_inputs if mp is not None else True)
     module._fsdp_unit = unit
@@ -110,8 +144,75 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     module.__class__ = _fsdp_class(type(module))
     # Registered first, so it runs before the life cycle's pre-forward hook.
     module.register_forward_pre_hook(_lazy_init_hook)
-    PrefetchHooks().register(unit)
+    (PrefetchHooks() if replicate_group is None else _HybridHooks()).register(unit)
     return module
+
+
+# ---- Bonus: HSDP on a 2-D mesh, and CPU offload ----------------------------------------------------------------
+def _mesh_groups(mesh) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(shard group, replicate group) of ``mesh``: FSDP2's convention, dim 0 replicates and dim 1 shards. A
+    replicate group of one rank is no replication (None): there is nothing to all-reduce across."""
+    if mesh is None:
+        return None, None
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh (init_device_mesh), not "
+                        f"{type(mesh).__name__}")
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    if mesh.ndim != 2:
+        raise ValueError(f"mesh has {mesh.ndim} dimensions; use a 1-D mesh (shard) or a 2-D mesh (replicate, shard)")
+    replicate_group = mesh.get_group(0)
+    return mesh.get_group(1), (replicate_group if dist.get_world_size(replicate_group) > 1 else None)
+
+
+def _offload_shard(flat_param: FlatParameter, pin_memory: bool) -> None:
+    """Move ``flat_param``'s shard to the CPU (pinned when asked and possible); ``unsharded`` stays put."""
+    if flat_param.shard.is_meta:
+        raise NotImplementedError("CPU offload of a module on the meta device: materialize it "
+                                  "(materialize_meta_module) before fully_shard(..., offload_policy=...)")
+    shard = flat_param.shard.detach().to("cpu")
+    if pin_memory and torch.cuda.is_available():  # pinned: the host-to-device copies can be non-blocking
+        shard = shard.pin_memory()
+    flat_param.shard = nn.Parameter(shard, requires_grad=flat_param.requires_grad)
+
+
+class _ReplicaReduction:
+    """The work handle of one HSDP gradient reduction: ``wait()`` waits for the reduce-scatter in the shard
+    group, then all-reduces the gradient shard across the replicate group (sum, then / R: with the
+    reduce-scatter's mean over S, the mean over all R x S ranks). Task 6 keeps it among its pending
+    reduce-scatters and calls ``wait()`` before it reads the shard, so the all-reduce always follows."""
+
+    def __init__(self, work, grad_shard: torch.Tensor, replicate_group: dist.ProcessGroup):
+        self.work, self.grad_shard, self.replicate_group = work, grad_shard, replicate_group
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            dist.all_reduce(self.grad_shard, op=dist.ReduceOp.SUM, group=self.replicate_group)
+            self.grad_shard.div_(dist.get_world_size(self.replicate_group))
+        return True
+
+
+class _HybridHooks(PrefetchHooks):
+    """Task 6's life cycle for a unit replicated over a 2-D mesh (HSDP bonus): each reduce-scatter (in the
+    shard group, ``unit.group``) is followed by an all-reduce of the gradient shard across
+    ``unit.replicate_group``. Everything else is Task 6's: with prefetching on, the reduction is asynchronous
+    and at most one is in flight."""
+
+    def reduce_scatter(self, unit: FSDPUnit, flat_param: FlatParameter, grad: torch.Tensor) -> None:
+        shared = unit.shared
+        work, grad_shard = reduce_scatter_grad(flat_param, grad, unit.group, async_op=True)
+        reduction = _ReplicaReduction(work, grad_shard, unit.replicate_group)
+        if not shared.prefetch:
+            reduction.wait()
+            accumulate_shard_grad(flat_param, grad_shard)
+            return
+        shared.pending_reduce_scatters.append((reduction, flat_param, grad_shard, grad))
+        while len(shared.pending_reduce_scatters) > 1:
+            older, older_flat_param, older_shard, _ = shared.pending_reduce_scatters.pop(0)
+            older.wait()
+            accumulate_shard_grad(older_flat_param, older_shard)
 
 
 def _lazy_init_hook(module: nn.Module, args) -> None:
@@ -137,9 +238,12 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
 
 
 def gather_full_params(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Original parameter names (relative to ``module``) -> full tensors, on every rank (a collective)."""
+    """Original parameter names (relative to ``module``) -> full tensors, on every rank (a collective over
+    each unit's ``group``)."""
     out = {}
+    groups = {id(fp): unit.group for unit in fsdp_units(module) for fp in unit.flat_params}
     for prefix, flat_param in named_flat_params(module):
-        for name, tensor in gather_full(flat_param).items():
+        # Over the unit's shard group: with HSDP each replica gathers its own (identical) copy.
+        for name, tensor in gather_full(flat_param, group=groups[id(flat_param)]).items():
             out[prefix + name] = tensor
     return out

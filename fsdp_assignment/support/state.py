@@ -40,7 +40,7 @@ class ShardedState(Enum):
 class FSDPUnit:
     module: nn.Module
     flat_params: list  # list[FlatParameter]; the trainable one (if any) first
-    group: dist.ProcessGroup | None = None  # None means the default process group
+    group: dist.ProcessGroup | None = None  # the group the unit is sharded over (None: the default group)
     reshard_after_forward: bool = True
     param_dtype: torch.dtype | None = None   # mixed precision: dtype of the unsharded parameters
     cast_forward_inputs: bool = True         # mixed precision: cast floating inputs to param_dtype
@@ -52,6 +52,9 @@ class FSDPUnit:
     requires_gradient_sync: bool = True
     # Handles of all-gathers issued for this unit but not yet waited on (Task 6's prefetch).
     pending_unshard: list = field(default_factory=list)
+    # HSDP bonus: the group across which the unit is replicated (a 2-D mesh's dim 0); each reduced gradient
+    # shard is all-reduced across it. None: no replication (plain FSDP), the required tasks' case.
+    replicate_group: dist.ProcessGroup | None = None
 
     def __repr__(self) -> str:
         return f"FSDPUnit({type(self.module).__name__}, {self.sharded_state.name}, {self.training_state.name})"
