@@ -17,7 +17,7 @@ Two bonus keywords, spelled as FSDP2 spells them (the required tasks never pass 
 - ``mesh``: a ``DeviceMesh``. 1-D: shard over its ranks. 2-D ``(R, S)`` (HSDP, hybrid sharding): dim 0
   replicates and dim 1 shards, as in FSDP2. Each unit is sharded S ways over its shard group (all-gathers
   and reduce-scatters of S ranks) and replicated over its replicate group of R ranks, across which each
-  reduced gradient shard is all-reduced once per unit and step (``_HybridHooks``): the gradient is the mean
+  reduced gradient shard is all-reduced once per unit and step (a subclass of Task 6's hooks): the gradient is the mean
   over all R x S ranks, and every replica keeps identical shards.
 - ``offload_policy``: ``torch.distributed.fsdp.CPUOffloadPolicy`` keeps the shards, their gradients and so
   the optimizer state on the CPU (pinned where the device allows); a unit's unsharded buffer, its full
@@ -70,7 +70,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     ``fully_shard`` to a module that contains every user of the tied parameter instead). A tied parameter
     is kept under the first of its names in ``module.named_parameters(remove_duplicate=False)`` order.
     Registers, in this order, a forward pre-hook that calls ``lazy_init`` at the first forward, then
-    ``PrefetchHooks().register(unit)`` (``_HybridHooks`` when the mesh replicates).
+    ``PrefetchHooks().register(unit)`` (with HSDP, a subclass that adds the all-reduce across replicas).
 
     Bonus keywords (see the module docstring): ``mesh``, a 1-D or 2-D ``DeviceMesh`` (None: the default
     group); with a 2-D mesh ``(R, S)`` the FlatParameters are built for the rank's place in its shard group

@@ -102,10 +102,10 @@ def get_model_state_dict(module: nn.Module, *, full: bool) -> dict[str, torch.Te
     """The model's state dict under original names; ``full``: gathered on rank 0, else this rank's pieces."""
     out: dict[str, torch.Tensor] = {}
     keep = not full or dist.get_rank() == 0  # other ranks join every gather but keep nothing: rank 0's state
-    groups = _groups(module)
+    unit_groups = _groups(module)
     for prefix, flat_param in named_flat_params(module):
         if full:
-            gathered = gather_full(flat_param, group=groups[id(flat_param)])
+            gathered = gather_full(flat_param, group=unit_groups[id(flat_param)])
             if keep:
                 out.update({prefix + name: t for name, t in gathered.items()})
         else:
@@ -137,7 +137,7 @@ def _flat_param_of_shards(module: nn.Module) -> dict[int, tuple[str, object]]:
 def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool) -> dict:
     """The optimizer's state under original parameter names (see the module docstring for the format)."""
     owners = _flat_param_of_shards(module)
-    groups = _groups(module)
+    unit_groups = _groups(module)
     state: dict[str, dict] = {}
     groups = []
     for group in optimizer.param_groups:
@@ -154,7 +154,7 @@ def get_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
                 elif full:
                     # Optimizer state is laid out like the shard, so it gathers and splits like the parameters.
                     # Only rank 0 keeps it: the others would otherwise hold the whole model's state at once.
-                    gathered = gather_full(flat_param, value, groups[id(flat_param)])
+                    gathered = gather_full(flat_param, value, unit_groups[id(flat_param)])
                     if dist.get_rank() == 0:
                         for name in flat_param.param_names:
                             state[prefix + name][key] = gathered[name]

@@ -51,6 +51,7 @@ class Call:
     numel: int       # elements of the tensor each rank contributes (all-gather: its input; reduce: its input)
     dtype: str       # that tensor's dtype, e.g. "torch.float32"
     async_op: bool   # did the caller ask for an asynchronous handle?
+    group_size: int = 0  # ranks in the process group it ran on (HSDP: the shard or the replicate group)
 
 
 class CallLog:
@@ -74,7 +75,8 @@ class CallLog:
 
     def since(self, mark: int = 0) -> list[dict]:
         """The records from ``mark`` on, as plain dicts (they travel back to the test)."""
-        return [dict(kind=c.kind, numel=c.numel, dtype=c.dtype, async_op=c.async_op) for c in self.calls[mark:]]
+        return [dict(kind=c.kind, numel=c.numel, dtype=c.dtype, async_op=c.async_op, group_size=c.group_size)
+                for c in self.calls[mark:]]
 
 
 class _LateWork(dist._Work):
@@ -151,7 +153,7 @@ class CountedProcessGroup(dist.ProcessGroup):
                 numel: int | None = None) -> None:
         numel = numel if numel is not None else int(tensor.numel()) if tensor is not None else 0
         dtype = str(tensor.dtype) if tensor is not None else ""
-        self.log.add(Call(kind, numel, dtype, bool(getattr(opts, "asyncOp", True))), output)
+        self.log.add(Call(kind, numel, dtype, bool(getattr(opts, "asyncOp", True)), self.size()), output)
 
     def _late(self, outputs: list[torch.Tensor], run):
         """Run the real collective into private copies of ``outputs``; poison ``outputs`` until wait()."""
