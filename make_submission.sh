@@ -225,7 +225,7 @@ fi
 if [ "$RUN_TESTS" = 1 ]; then
     echo "Running the public tests (python -m pytest tests/public); this takes a few minutes..."
     JUNIT="$(mktemp "${TMPDIR:-/tmp}/fsdp-public-XXXXXX.xml")"
-    "$PYTHON" -m pytest tests/public -q --tb=line -rfE -p no:cacheprovider --junitxml="$JUNIT"
+    "$PYTHON" -m pytest tests/public -m "not bonus" -q --tb=line -rfE -p no:cacheprovider --junitxml="$JUNIT"
     rc=$?
     bar
     if [ $rc -eq 0 ]; then

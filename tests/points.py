@@ -9,8 +9,13 @@ split over its tests in proportion to their weights:
     points of a test = TASK_POINTS[task] * weight / (sum of the weights of that task's tests)
 
 Tests run on gloo (CPU). Variants parametrized by ``backend="nccl"`` need GPUs; the autograder has none, so
-they are not graded. The writeup (``WRITEUP_QUESTION_POINTS``, ``WRITEUP_TABLE_POINTS``) and the bonus are graded
-by the course staff, not by the autograder.
+they are not graded. The writeup (``WRITEUP_QUESTION_POINTS``, ``WRITEUP_TABLE_POINTS``) is graded by the course
+staff, not by the autograder.
+
+The bonus is graded by the autograder, apart from the 100: ``BONUS_POINTS`` are split over the bonus tests
+(marker ``@pytest.mark.bonus("hsdp")`` or ``("cpu_offload")``, no task marker) in proportion to their weights,
+as a task's points are over its tests (HSDP: 6 points, CPU offload: 4, from the weights in
+``tests/public/test_bonus_*.py``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ What it does:
 
 - **Which tests are graded.** Every collected test with a task marker (``task1`` .. ``task7``) that runs on gloo.
   Variants parametrized with another backend (``nccl``) are deselected: the grader has no GPU. Tests without a
-  task marker (harness and staff checks) are deselected too.
+  task marker (harness and staff checks) are deselected too, except bonus tests (``@pytest.mark.bonus("hsdp")``).
+- **Bonus.** Bonus tests share ``BONUS_POINTS`` by weight and are reported apart: results.json's ``score`` is
+  the required tasks' (out of 100), each bonus test carries the tag ``bonus`` and the bonus total is in
+  ``extra_data["bonus"]`` (Gradescope takes the top-level ``score`` over the sum of the tests'). They run after
+  the required public tests and before the hidden ones, with a share of the budget of their own.
 - **Points.** ``tests/points.py`` gives each task its points; a task's points are split over its graded tests in
   proportion to their weights (``@pytest.mark.weight(n)``, default 1). The split is computed over every graded
   test collected, before ``-k``/``-m`` deselect any, so a test is worth the same in a partial run.
@@ -61,6 +65,7 @@ VISIBLE = "visible"
 HIDDEN = "after_published"
 OUTPUT_LIMIT = 7000  # characters of a test's output in results.json (head kept: it says what happened)
 GRADED_BACKEND = "gloo"
+BONUS = "bonus"  # the ``task`` of a bonus test's record (its points come from BONUS_POINTS, not TASK_POINTS)
 
 
 def pytest_addoption(parser) -> None:
@@ -86,6 +91,7 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "weight(n): a graded test's weight within its task (tests/points.py)")
+    config.addinivalue_line("markers", "bonus(name): a bonus test, graded apart from the 100 (tests/points.py)")
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(Grader(config), "fsdp-grader")
 
@@ -107,6 +113,20 @@ def task_of(item) -> int | None:
     return None
 
 
+def bonus_of(item) -> str | None:
+    """The bonus a test belongs to (``@pytest.mark.bonus("hsdp")``), or None."""
+    marker = item.get_closest_marker("bonus")
+    return None if marker is None else str(marker.args[0] if marker.args else "bonus")
+
+
+def task_number(task) -> int:
+    """Where a task sorts and how its tests are numbered: 1..7, and the bonus after the last task."""
+    return task if isinstance(task, int) else 1 + max(_points_tasks)
+
+
+_points_tasks = [7]  # set from tests/points.py when the grader loads it
+
+
 def weight_of(item, default: float) -> float:
     marker = item.get_closest_marker("weight")
     if marker is None:
@@ -123,9 +143,10 @@ def backend_of(item) -> str | None:
 class Record:
     """One graded test, as results.json will show it."""
 
-    def __init__(self, item, task: int, weight: float, hidden: bool, max_score: float):
+    def __init__(self, item, task, weight: float, hidden: bool, max_score: float):
         self.nodeid = item.nodeid
         self.task, self.weight, self.hidden, self.max_score = task, weight, hidden, max_score
+        self.bonus = bonus_of(item) if task == BONUS else None
         self.number = ""
         self.state = "pending"  # -> "running" -> "done"
         self.failed_phase: str | None = None
@@ -141,7 +162,8 @@ class Record:
     @property
     def name(self) -> str:
         path, _, rest = self.nodeid.partition("::")
-        return f"Task {self.task} {'hidden' if self.hidden else 'public'}: {Path(path).name}::{rest}"
+        who = f"Bonus ({self.bonus})" if self.task == BONUS else f"Task {self.task}"
+        return f"{who} {'hidden' if self.hidden else 'public'}: {Path(path).name}::{rest}"
 
 
 class Grader:
@@ -152,6 +174,7 @@ class Grader:
         self.first = config.getoption("--grade-first") or []
         self.first_task = config.getoption("--grade-first-task")
         self.points = load_points(config.rootpath)
+        _points_tasks[:] = list(self.points.TASK_POINTS)
         self.start = time.time()
         self.records: dict[str, Record] = {}
         self.order: list[str] = []
@@ -167,28 +190,33 @@ class Grader:
     def pytest_collection_modifyitems(self, session, config, items) -> None:
         """Before -k/-m: keep the graded tests only, and fix each one's points over all of them."""
         graded, deselected = [], []
+        bonus_points = getattr(self.points, "BONUS_POINTS", 0)
         for item in items:
             task = task_of(item)
+            if task is None and bonus_of(item) is not None and bonus_points:
+                task = BONUS
             backend = backend_of(item)
-            if task is None or task not in self.points.TASK_POINTS or backend not in (None, GRADED_BACKEND):
+            if task is None or (task != BONUS and task not in self.points.TASK_POINTS) or \
+                    backend not in (None, GRADED_BACKEND):
                 deselected.append(item)
             else:
                 graded.append(item)
         if deselected:
             config.hook.pytest_deselected(items=deselected)
             items[:] = graded
-        weights: dict[int, float] = {}
+        weights: dict = {}
         for item in graded:
-            task = task_of(item)
+            task = task_of(item) or BONUS
             weights[task] = weights.get(task, 0.0) + weight_of(item, self.points.DEFAULT_WEIGHT)
         self.weights_total = weights
         for item in graded:
-            task = task_of(item)
+            task = task_of(item) or BONUS
             weight = weight_of(item, self.points.DEFAULT_WEIGHT)
             rel = Path(str(item.path)).resolve().relative_to(config.rootpath.resolve()).as_posix() \
                 if Path(str(item.path)).resolve().is_relative_to(config.rootpath.resolve()) else str(item.path)
             hidden = rel.startswith("tests/hidden/")
-            max_score = self.points.TASK_POINTS[task] * weight / weights[task]
+            points = bonus_points if task == BONUS else self.points.TASK_POINTS[task]
+            max_score = points * weight / weights[task]
             self.records[item.nodeid] = Record(item, task, weight, hidden, max_score)
         missing = sorted(set(self.points.TASK_POINTS) - set(weights))
         if missing:
@@ -206,18 +234,18 @@ class Grader:
             # Every public test before any hidden one: a hidden test's rank runs student code that can read
             # the hidden module it was imported with; whatever it might leave behind, no visible test runs after.
             return (first, rec.hidden if rec else True, task != self.first_task if self.first_task else False,
-                    task, index[item.nodeid])
+                    task_number(task), index[item.nodeid])
 
         session.items.sort(key=key)
         selected = {item.nodeid for item in session.items}
         self.records = {k: v for k, v in self.records.items() if k in selected}
         self.order = [item.nodeid for item in session.items if item.nodeid in self.records]
         per_task: dict[int, int] = {}
-        for nodeid in sorted(self.order, key=lambda n: (self.records[n].task, self.records[n].hidden,
+        for nodeid in sorted(self.order, key=lambda n: (task_number(self.records[n].task), self.records[n].hidden,
                                                         index[n])):
             rec = self.records[nodeid]
             per_task[rec.task] = per_task.get(rec.task, 0) + 1
-            rec.number = f"{rec.task}.{per_task[rec.task]}"
+            rec.number = f"{task_number(rec.task)}.{per_task[rec.task]}"
         self.limits.plan([(n, self.records[n].task) for n in self.order])
         self.write()
 
@@ -333,6 +361,10 @@ class Grader:
             hid = sum(r.duration for r in self.records.values() if r.task == task and r.hidden)
             total_calls += pub + hid
             rows.append(f"task {task}: public {pub:6.1f}  hidden {hid:6.1f}")
+        bonus = sum(r.duration for r in self.records.values() if r.task == BONUS)
+        if any(r.task == BONUS for r in self.records.values()):
+            total_calls += bonus
+            rows.append(f"bonus:  public {bonus:6.1f}")
         elapsed = time.time() - self.start
         rows.append(f"all test calls {total_calls:.1f} s; session {elapsed:.1f} s (the rest: collection, "
                     f"forkserver start-up, setup/teardown)")
@@ -347,6 +379,9 @@ class Grader:
         title = self.points.TASK_TITLES.get(rec.task, "")
         score = rec.max_score if rec.passed else 0.0
         head = f"Task {rec.task} ({title}), {visibility} test: {score:.2f} / {rec.max_score:.2f} points"
+        if rec.task == BONUS:
+            head = (f"Bonus ({rec.bonus}), {visibility} test: {score:.2f} / {rec.max_score:.2f} bonus points (apart "
+                    f"from the 100)")
         if rec.state == "pending":
             why = self.stop_reason if self.final and self.stop_reason else (
                 "not run: the grading run was stopped before this test ran (a global time limit or a crash); "
@@ -373,6 +408,8 @@ class Grader:
         for task in self.points.TASK_POINTS:
             out[task] = {"public": 0.0, "public_max": 0.0, "hidden": 0.0, "hidden_max": 0.0}
         for rec in self.records.values():
+            if rec.task == BONUS:
+                continue
             kind = "hidden" if rec.hidden else "public"
             out[rec.task][kind + "_max"] += rec.max_score
             if rec.passed:
@@ -397,11 +434,16 @@ class Grader:
                 cells += [f"{s['hidden']:>6.2f}/{s['hidden_max']:<6.2f}", f"{got:>6.2f}/{mx:<6.2f}"]
             lines.append(f"{name:<40} " + " ".join(cells))
         lines.append(f"{'total':<40} " + " ".join([f"{'':>13}"] * (len(cols) - 1) + [f"{total:>6.2f}/{total_max:<6.2f}"]))
-        shown = [r for r in self.records.values() if hidden or not r.hidden]
+        shown = [r for r in self.records.values() if (hidden or not r.hidden) and r.task != BONUS]
         passed = sum(r.passed for r in shown)
-        lines.append(f"{passed} of {len(shown)} {'graded' if hidden else 'public'} tests passed"
-                     + (f"; bonus (up to {self.points.BONUS_POINTS} points) graded by the staff from your writeup"
-                        if getattr(self.points, "BONUS_POINTS", 0) else ""))
+        lines.append(f"{passed} of {len(shown)} {'graded' if hidden else 'public'} tests passed")
+        bonus = [r for r in self.records.values() if r.task == BONUS]
+        if bonus:
+            got, mx = self.bonus_score()
+            lines.append(f"{'bonus (apart from the total)':<40} " + " ".join([f"{'':>13}"] * (len(cols) - 1)
+                                                                             + [f"{got:>6.2f}/{mx:<6.2f}"]))
+            lines.append(f"{sum(r.passed for r in bonus)} of {len(bonus)} bonus tests passed ("
+                         + ", ".join(sorted({r.bonus for r in bonus})) + ")")
         if not hidden:
             n_hidden = sum(r.hidden for r in self.records.values())
             hidden_max = sum(r.max_score for r in self.records.values() if r.hidden)
@@ -409,6 +451,10 @@ class Grader:
                 lines.append(f"{n_hidden} hidden tests ({hidden_max:.2f} points) are graded too; their results "
                              f"appear when grades are published")
         return "\n".join(lines)
+
+    def bonus_score(self) -> tuple[float, float]:
+        bonus = [r for r in self.records.values() if r.task == BONUS]
+        return sum(r.max_score for r in bonus if r.passed), sum(r.max_score for r in bonus)
 
     def results(self) -> dict:
         tests = []
@@ -422,6 +468,7 @@ class Grader:
                 "status": "passed" if rec.passed else "failed",
                 "output": self.test_output(rec),
                 "visibility": HIDDEN if rec.hidden else VISIBLE,
+                **({"tags": ["bonus", rec.bonus]} if rec.task == BONUS else {}),
             })
         tests.sort(key=lambda t: [int(x) for x in t["number"].split(".")])
         output = self.table(hidden=False)
@@ -429,8 +476,14 @@ class Grader:
             output += "\n\nThe grading run has not finished: tests not run yet score 0."
         if self.notes:
             output += "\n\n" + "\n".join(self.notes)
+        bonus = {}
+        if any(rec.task == BONUS for rec in self.records.values()):
+            got, mx = self.bonus_score()
+            bonus = {"extra_data": {"bonus": {"score": round(got, 2), "max_score": round(mx, 2)}}}
         return {
-            "score": round(sum(t["score"] for t in tests), 2),
+            # The required tasks only: bonus tests are listed with their points but kept out of the total.
+            "score": round(sum(t["score"] for t in tests if "bonus" not in t.get("tags", [])), 2),
+            **bonus,
             "execution_time": int(round(time.time() - self.start)),
             "output": output,
             "stdout_visibility": "hidden",
@@ -563,7 +616,7 @@ class TimeLimits:
             return None
         if self.lost.get(task, 0.0) >= self.share.get(task, float("inf")):
             self._skip(task)
-            return (f"not run: Task {task}'s earlier tests that failed took {self.lost[task]:.0f} s, its share of "
+            return (f"not run: {'the bonus' if task == BONUS else f'Task {task}'}'s earlier tests that failed took {self.lost[task]:.0f} s, its share of "
                     f"the grading time ({self.share[task]:.0f} s of {self.budget:.0f} s; tests that hang spend it: "
                     f"each waits for its time limit); the other tasks keep theirs")
         return None
@@ -614,7 +667,7 @@ class TimeLimits:
         rows = []
         if self.enabled and self.share and self.budget:
             rows.append("task shares of the budget (lost to failing tests/share s): " + ", ".join(
-                f"{t}: {self.lost[t]:.0f}/{self.share[t]:.0f}" for t in sorted(self.share)))
+                f"{t}: {self.lost[t]:.0f}/{self.share[t]:.0f}" for t in sorted(self.share, key=task_number)))
         if self.hung:
             rows.append("hung: " + "; ".join(f"{' and '.join(_function_label(f) for f in sorted(fs))} in {w}"
                                              for fs, w in self.hung.items()))

@@ -70,7 +70,16 @@ def validate(data) -> list[str]:
             problems.append(f"{where}: number {t.get('number')!r} is not unique")
         numbers.add(t.get("number"))
     if isinstance(data.get("score"), (int, float)) and tests:
-        total = sum(t.get("score", 0) for t in tests if isinstance(t, dict))
+        # Bonus tests (tag "bonus") are reported apart: the score is the required tests' sum.
+        required = [t for t in tests if isinstance(t, dict) and "bonus" not in (t.get("tags") or [])]
+        total = sum(t.get("score", 0) for t in required)
         if abs(total - data["score"]) > 0.011:
-            problems.append(f"results: score {data['score']} is not the sum of the tests' scores ({total:.4f})")
+            problems.append(f"results: score {data['score']} is not the sum of the required tests' scores "
+                            f"({total:.4f}; bonus tests apart)")
+        bonus = [t for t in tests if isinstance(t, dict) and "bonus" in (t.get("tags") or [])]
+        reported = (data.get("extra_data") or {}).get("bonus") if isinstance(data.get("extra_data"), dict) else None
+        if bonus and not (isinstance(reported, dict) and abs(reported.get("score", -1) -
+                                                              sum(t.get("score", 0) for t in bonus)) <= 0.011):
+            problems.append(f"results: extra_data.bonus {reported!r} does not hold the bonus tests' score "
+                            f"({sum(t.get('score', 0) for t in bonus):.4f})")
     return problems

@@ -148,6 +148,7 @@ def _check(results, cfg, world_size, backend):
                 f"parameter shards): the limit is half of that")
 
 
+@pytest.mark.weight(4)
 def test_cpu_offload_trains_like_one_process_and_fsdp2():
     world_size = 2
     results = run_ranks(_offload_run, world_size, {}, timeout=120)
