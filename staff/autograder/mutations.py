@@ -137,7 +137,9 @@ MUTANTS: list[Mutant] = [
            "            flat_param.use_unsharded_views()\n",
            "sets the views only when it gathers: views made under no_grad stay and cut the gradient path",
            "", "test_eval_under_no_grad_then_train"),
-    Mutant("m15", 3, "    if shard.dtype != dtype:\n        shard = shard.to(dtype)\n",
+    Mutant("m15", 3, "    if shard.dtype != dtype or shard.device != flat_param.unsharded.device:\n"
+                     "        # Stream-ordered before the collective, so a non-blocking host-to-device copy is safe here.\n"
+                     "        shard = shard.to(device=flat_param.unsharded.device, dtype=dtype, non_blocking=True)\n",
            "",
            "all-gathers the fp32 shard into the low-precision buffer (no cast to param_dtype)", "", "test_mixed_precision_gathers_and_reduces_in_the_right_dtypes"),
     Mutant("m16", 3, "    if unit.param_dtype is None or not unit.cast_forward_inputs:",
@@ -178,7 +180,7 @@ MUTANTS: list[Mutant] = [
            "no backstop in the final callback: units whose post-backward autograd never ran (the root, whose input "
            "needs no gradient; unused units) are neither reduced nor resharded"),
     # ---- Task 5: optimizer, clipping, checkpoints ---------------------------------------------------------
-    Mutant("m26", 5, "    dist.all_reduce(local_sq)  # sum of squares over all ranks: the global squared norm\n", "",
+    Mutant("m26", 5, "    dist.all_reduce(local_sq, group=groups[0] if groups else None)\n", "",
            "clips by the local norm of this rank's shards", "clip norm computed locally", "test_clip_grad_norm_below_max_norm_changes_nothing"),
     Mutant("m27", 5, "    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)",
            "    clip_coef = max_norm / (total_norm + 1e-6)",
@@ -229,8 +231,8 @@ MUTANTS: list[Mutant] = [
            "    for unit in fsdp_units(module)[:1]:\n        unit.requires_gradient_sync = requires_gradient_sync",
            "set_requires_gradient_sync reaches the root unit only: the others sync every micro-batch",
            "gradient accumulation that syncs too early or drops a micro-batch", "test_gradient_accumulation_over_two_steps_with_prefetch"),
-    Mutant("m38", 7, "    unit = FSDPUnit(module=module, flat_params=flat_params, reshard_after_forward=reshard_after_forward,",
-           "    unit = FSDPUnit(module=module, flat_params=flat_params, reshard_after_forward=True,",
+    Mutant("m38", 7, "                    reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,",
+           "                    reshard_after_forward=True, param_dtype=param_dtype,",
            "ignores fully_shard(reshard_after_forward=False)",
            "", "test_reshard_after_forward_false_via_fully_shard"),
     Mutant("m39", 7, "        if child_params.get(id(param)) is param:\n",
@@ -337,6 +339,50 @@ MUTANTS: list[Mutant] = [
            "                self.reduce_grad(",
            "keeps the full flat gradient after reducing it: a full gradient per unit stays alive after backward",
            "", "test_backward_really_frees_full_parameters_and_gradients"),
+    # ---- Bonus (issue 21): HSDP on a 2-D mesh, CPU offload. Each targets the bonus test that catches it (public
+    # tests under tests/public/test_bonus_*.py, graded apart from the 100).
+    Mutant("b01", 7, "        work, grad_shard = reduce_scatter_grad(flat_param, grad, unit.group, async_op=True)",
+           "        work, grad_shard = reduce_scatter_grad(flat_param, grad, None, async_op=True)",
+           "HSDP: reduce-scatters over the whole world instead of the shard group", "",
+           "test_hsdp_2x2_trains_like_one_process_and_fsdp2"),
+    Mutant("b02", 7, "            dist.all_reduce(self.grad_shard, op=dist.ReduceOp.SUM, group=self.replicate_group)\n"
+                     "            self.grad_shard.div_(dist.get_world_size(self.replicate_group))\n", "",
+           "HSDP: no all-reduce across replicas (each replica trains on its own half of the batch)", "",
+           "test_hsdp_2x2_trains_like_one_process_and_fsdp2"),
+    Mutant("b03", 7, "            self.grad_shard.div_(dist.get_world_size(self.replicate_group))\n", "",
+           "HSDP: sums the gradient shard across replicas instead of averaging (R times too large)", "",
+           "test_hsdp_2x2_trains_like_one_process_and_fsdp2"),
+    Mutant("b04", 7, "    return mesh.get_group(1), (replicate_group if dist.get_world_size(replicate_group) > 1 else None)",
+           "    return None, None",
+           "HSDP: ignores the 2-D mesh and shards over all W ranks (plain FSDP: no replication, no shard group)", "",
+           "test_hsdp_2x2_trains_like_one_process_and_fsdp2"),
+    Mutant("b05", 7, "    replicate_group = mesh.get_group(0)\n    return mesh.get_group(1), (",
+           "    replicate_group = mesh.get_group(1)\n    return mesh.get_group(0), (",
+           "HSDP: mesh dims swapped (dim 0 shards, dim 1 replicates), against FSDP2's convention", "",
+           "test_hsdp_2x2_trains_like_one_process_and_fsdp2"),
+    Mutant("b06", 7, "        if self.work is not None:\n            self.work.wait()\n            self.work = None\n"
+                     "            dist.all_reduce(",
+           "        if self.work is not None:\n            self.work = None\n            dist.all_reduce(",
+           "HSDP: all-reduces the gradient shard before its reduce-scatter has finished", "",
+           "test_hsdp_2x2_trains_like_one_process_and_fsdp2"),
+    Mutant("b07", 5, "    dist.all_reduce(local_sq, group=groups[0] if groups else None)\n",
+           "    dist.all_reduce(local_sq)\n",
+           "HSDP: clip_grad_norm_ sums squares over every rank, counting each replica's shard R times", "",
+           "test_hsdp_degenerate_meshes_4x1_and_1x4"),
+    Mutant("b08", 5, "    _all_gather_single(full, local, group, False)",
+           "    _all_gather_single(full, local, None, False)",
+           "HSDP: checkpoints and gather_full_params gather over the whole world instead of the shard group", "",
+           "test_hsdp_degenerate_meshes_4x1_and_1x4"),
+    Mutant("b09", 7, "            if offload:\n                _offload_shard(flat_param, offload_policy.pin_memory)\n"
+                     "            module.register_parameter(attr, flat_param.shard)\n",
+           "            module.register_parameter(attr, flat_param.shard)\n"
+           "            if offload:\n                _offload_shard(flat_param, offload_policy.pin_memory)\n",
+           "CPU offload: moves the shard after registering it, so the optimizer steps a parameter FSDP no longer "
+           "reads or writes gradients into", "", "test_cpu_offload_trains_like_one_process_and_fsdp2"),
+    Mutant("b10", 7, "    if pin_memory and torch.cuda.is_available():",
+           "    if pin_memory:",
+           "CPU offload: pins memory whatever the machine (fails where there is no GPU)", "",
+           "test_cpu_offload_trains_like_one_process_and_fsdp2"),
 ]
 
 # ---- Frozen units and activation checkpointing (issue 9; added by the core helper, ids c01..) ----------------
@@ -403,6 +449,8 @@ KINDS = {
     "ownership": "ownership and tied weights",
     "checkpoint": "checkpoints: state dicts and resume",
     "contract": "errors and contracts: what must be refused",
+    "hsdp": "bonus: HSDP groups, replication and the mesh",
+    "offload": "bonus: CPU offload",
 }
 KIND_OF: dict[str, str] = {
     "m01": "rng", "m02": "rng", "m03": "ownership", "m04": "memory", "m05": "contract", "m06": "state",
@@ -420,6 +468,9 @@ KIND_OF: dict[str, str] = {
     # core's block (frozen units, activation checkpointing, units run twice)
     "c01": "lifecycle", "c02": "lifecycle", "c03": "lifecycle", "c04": "lifecycle", "c05": "lifecycle",
     "c06": "waste", "c07": "lifecycle", "c08": "rng", "c09": "memory", "c10": "async",
+    # issue 21's bonus
+    "b01": "hsdp", "b02": "hsdp", "b03": "hsdp", "b04": "hsdp", "b05": "hsdp", "b06": "hsdp", "b07": "hsdp",
+    "b08": "hsdp", "b09": "offload", "b10": "offload",
 }
 
 

@@ -1,7 +1,8 @@
 """The mutation self-test (staff/autograder/mutations.py) in CI.
 
 Fast: every mutant still applies to the current reference (one exact edit), compiles and has a kind of bug;
-together they seed every bug the autograder issue names; every hidden test is the target of some mutant.
+together they seed every bug the autograder issue names; every hidden test and every graded bonus test is the
+target of some mutant.
 
 Slow (a few minutes, 2 workers): the public + hidden suite kills every mutant (KILL_RATE_REQUIRED), every mutant
 that seeds one of the issue's bugs among them, and each hidden test is the one that kills at least one of its
@@ -33,6 +34,17 @@ def hidden_tests() -> set[str]:
     return names
 
 
+def bonus_tests() -> set[str]:
+    """The graded bonus tests (tests/public/test_bonus_*.py): each is the target of some bonus mutant."""
+    names = set()
+    for path in (ROOT / "tests" / "public").glob("test_bonus_*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and not any(
+                    "nccl" in ast.unparse(d) for d in node.decorator_list):  # NCCL-only: not graded
+                names.add(node.name)
+    return names
+
+
 def test_mutants_apply_and_cover_the_issue():
     ids = [m.id for m in mutations.MUTANTS]
     assert len(ids) == len(set(ids)) and len(ids) >= 25
@@ -44,8 +56,10 @@ def test_mutants_apply_and_cover_the_issue():
     seeded = {m.issue_bug for m in mutations.MUTANTS}
     assert set(mutations.ISSUE_BUGS) <= seeded, f"not seeded: {set(mutations.ISSUE_BUGS) - seeded}"
     targets = {m.target for m in mutations.MUTANTS if m.target}
-    assert targets <= hidden_tests(), f"targets that are no hidden test: {targets - hidden_tests()}"
+    assert targets <= hidden_tests() | bonus_tests(), \
+        f"targets that are no hidden or bonus test: {targets - hidden_tests() - bonus_tests()}"
     assert hidden_tests() <= targets, f"hidden tests no mutant targets: {hidden_tests() - targets}"
+    assert bonus_tests() <= targets, f"bonus tests no mutant targets: {bonus_tests() - targets}"
 
 
 @pytest.mark.slow
@@ -60,5 +74,5 @@ def test_the_suite_kills_the_mutants():
     survivors = [o.mutant.id for o in outcomes if not o.killed and o.mutant.issue_bug]
     assert not survivors, f"mutants seeding the issue's bugs survived: {survivors}\n{report}"
     shown = {o.mutant.target for o in killed if o.mutant.target and o.killer.endswith("::" + o.mutant.target)}
-    assert hidden_tests() <= shown, (f"hidden tests never shown to catch their target mutant: "
-                                     f"{hidden_tests() - shown}\n{report}")
+    assert hidden_tests() | bonus_tests() <= shown, (f"hidden or bonus tests never shown to catch their target mutant: "
+                                     f"{(hidden_tests() | bonus_tests()) - shown}\n{report}")
