@@ -35,6 +35,11 @@ Table headers (comm.md; the writeup copies them):
 | collective | W | interconnect | size | time us | algbw GB/s | busbw GB/s |
 | strategy | W | all-gather MiB | reduce-scatter MiB | all-reduce MiB | total MiB | formula | formula MiB | counted / formula | note |
 
+HSDP 2x2 (the bonus; W = 4 only): a 2-D mesh (R, S) = (2, 2), dim 0 replicates and dim 1 shards. Per rank and step
+all-gathers 2 (S-1)/S Ψ and a reduce-scatter (S-1)/S Ψ inside the shard group, and an all-reduce 2 (R-1)/R Ψ/S of
+the gradient shard across the replicate group: 3Ψ(S-1)/S + 2Ψ(R-1)/(RS) = 2Ψ at 2x2, against FSDP's 2.25Ψ at W = 4,
+and only the last term crosses between replicas (nodes). Its note gives the bytes per process group.
+
 The note says when a run does not match its formula but matches a known variant: an implementation that keeps the
 root unit (embeddings, tied head) unsharded after forward, as FSDP2 does when reshard_after_forward is left to its
 default, all-gathers the root once, not twice: (3Ψ - Ψ_root)(W-1)/W.
@@ -61,9 +66,15 @@ QUICK = ["--world-sizes", "2", "--max-size", "16KiB", "--budget", "0.01", "--str
 HEADERS_COLL = ["collective", "W", "interconnect", "size", "time us", "algbw GB/s", "busbw GB/s"]
 HEADERS_STEP = ["strategy", "W", "all-gather MiB", "reduce-scatter MiB", "all-reduce MiB", "total MiB", "formula",
                 "formula MiB", "counted / formula", "note"]
-STEP_STRATEGIES = ["FSDP", "FSDP no-reshard", "FSDP2 (torch)", "FSDP2 (torch) no-reshard", "DDP (torch)"]
+STEP_STRATEGIES = ["FSDP", "FSDP no-reshard", "FSDP2 (torch)", "FSDP2 (torch) no-reshard", "DDP (torch)", "HSDP 2x2"]
 FORMULA = {"FSDP": 3, "FSDP no-reshard": 2, "FSDP + prefetch": 3, "FSDP2 (torch)": 3,
-           "FSDP2 (torch) no-reshard": 2, "DDP (torch)": 2}
+           "FSDP2 (torch) no-reshard": 2, "DDP (torch)": 2, "HSDP 2x2": None}
+HSDP_MESH = {"HSDP 2x2": (2, 2)}  # (R, S); measured only where W = R x S
+
+
+def hsdp_formula(R: int, S: int) -> float:
+    """Bus bytes per rank per step of HSDP on mesh (R, S), in units of Ψ bytes (the handout's formulas)."""
+    return 3 * (S - 1) / S + 2 * (R - 1) / (R * S)
 
 
 def parse_size(text: str) -> int:
@@ -131,6 +142,8 @@ def worker(ctx: launch.RankContext, payload: dict) -> dict:
             ctx.log(f"{kind}: {len(payload['sizes'])} sizes done")
     cfg = trainers.model_config(payload)
     for name in payload["strategies"]:
+        if name in HSDP_MESH and HSDP_MESH[name][0] * HSDP_MESH[name][1] != ctx.world_size:
+            continue  # a 2-D mesh of another size: that row belongs to another W
         with comm_meter.CommMeter() as meter:
             try:
                 trainer = trainers.build_trainer(name, cfg, payload["batch"], ctx.device, meter, count_ddp=True)
@@ -140,7 +153,7 @@ def worker(ctx: launch.RankContext, payload: dict) -> dict:
                 continue
             meter.reset()
             trainer.step(ctx.rank)
-            out["steps"][name] = meter.summary()
+            out["steps"][name] = {**meter.summary(), "by_group": meter.summary_by_group()}
         del trainer
         gc.collect()
         ctx.log(f"{name}: step bytes counted")
@@ -201,15 +214,24 @@ def main(argv=None) -> dict:
             mib = {k: summary.get(k, {}).get("bus_bytes", 0.0) / report.MiB for k in ("all_gather", "reduce_scatter", "all_reduce")}
             total = sum(mib.values())
             k = FORMULA[name]
-            formula = k * psi * 4 * (w - 1) / w / report.MiB
-            note = "counted through a comm hook (dist.all_reduce per bucket)" if name == "DDP (torch)" else ""
-            root_kept = (k * psi - units["root"]) * 4 * (w - 1) / w / report.MiB
-            if k == 3 and abs(total / formula - 1) > 0.01 and abs(total / root_kept - 1) <= 0.01:
-                note = f"root kept unsharded after forward: counted / (3Ψ-Ψ_root)(W-1)/W = {total / root_kept:.4f}"
+            if name in HSDP_MESH:
+                R, S = HSDP_MESH[name]
+                formula, formula_text = hsdp_formula(R, S) * psi * 4 / report.MiB, "3Ψ(S-1)/S+2Ψ(R-1)/(RS)"
+                groups = summary.get("by_group", {})
+                note = "; ".join(f"group {g}: " + " + ".join(f"{kind.replace('_', '-')} {v['bus_bytes'] / report.MiB:.2f}"
+                                                             for kind, v in kinds.items()) + " MiB"
+                                 for g, kinds in sorted(groups.items()))
+                note = f"rank 0's groups: {note} (shard group: S={S} ranks; replicate group: R={R})"
+            else:
+                formula, formula_text = k * psi * 4 * (w - 1) / w / report.MiB, f"{k}Ψ(W-1)/W"
+                note = "counted through a comm hook (dist.all_reduce per bucket)" if name == "DDP (torch)" else ""
+                root_kept = (k * psi - units["root"]) * 4 * (w - 1) / w / report.MiB
+                if k == 3 and abs(total / formula - 1) > 0.01 and abs(total / root_kept - 1) <= 0.01:
+                    note = f"root kept unsharded after forward: counted / (3Ψ-Ψ_root)(W-1)/W = {total / root_kept:.4f}"
             step_rows.append([name, w, mib["all_gather"], mib["reduce_scatter"], mib["all_reduce"], total,
-                              f"{k}Ψ(W-1)/W", formula, f"{total / formula:.4f}", note])
+                              formula_text, formula, f"{total / formula:.4f}", note])
             step_records.append({"strategy": name, "world_size": w, "counted": summary, "total_bus_bytes": total * report.MiB,
-                                 "formula": f"{k}*psi*(W-1)/W", "formula_bytes": formula * report.MiB,
+                                 "formula": formula_text, "formula_bytes": formula * report.MiB,
                                  "ratio": total / formula, "psi_params": psi, "note": note})
 
     md = (f"Collectives: {interconnect}; time us = median (min-max, n) of repeats, each the slowest rank's mean "

@@ -132,12 +132,13 @@ class CommMeter:
                 full = a["tensor"]
             group = a.get("group")
             w = dist.get_world_size(group)
+            ranks = tuple(range(w)) if group is None else tuple(dist.get_process_group_ranks(group))
             payload = full.numel() * full.element_size()
             factor = 2 if kind == "all_reduce" else 1
             bus = factor * payload * (w - 1) / w
             async_op = bool(a.get("async_op", False))
             meter.records.append({"kind": kind, "payload_bytes": payload, "bus_bytes": bus, "async": async_op,
-                                  "world_size": w})
+                                  "world_size": w, "group_ranks": ranks})
             if meter.on_buffer is not None:
                 meter.on_buffer(kind, full)
             done_at = meter.link.reserve(bus) if meter.link is not None and w > 1 else 0.0
@@ -160,16 +161,25 @@ class CommMeter:
     def reset(self) -> None:
         self.records.clear()
 
-    def summary(self) -> dict:
+    def summary(self, records: list[dict] | None = None) -> dict:
         """Per kind: calls, payload bytes, bus bytes (since the last reset)."""
         out: dict[str, dict] = {}
-        for r in self.records:
+        for r in self.records if records is None else records:
             s = out.setdefault(r["kind"], {"calls": 0, "payload_bytes": 0, "bus_bytes": 0.0, "async_calls": 0})
             s["calls"] += 1
             s["payload_bytes"] += r["payload_bytes"]
             s["bus_bytes"] += r["bus_bytes"]
             s["async_calls"] += int(r["async"])
         return out
+
+
+    def summary_by_group(self) -> dict:
+        """Per process group (this rank's groups, named by their global ranks, e.g. "ranks 0,1"): ``summary()`` of
+        the collectives issued on it. HSDP's shard group and replicate group come out apart."""
+        groups: dict[str, list[dict]] = {}
+        for r in self.records:
+            groups.setdefault("ranks " + ",".join(map(str, r["group_ranks"])), []).append(r)
+        return {name: self.summary(records) for name, records in groups.items()}
 
 
 def ddp_comm_hook(meter: CommMeter):

@@ -39,6 +39,8 @@ STRATEGIES = {
     "FSDP + prefetch": ("fsdp", {"reshard": True, "prefetch": True}),
     "FSDP2 (torch)": ("fsdp2", {"reshard": True}),
     "FSDP2 (torch) no-reshard": ("fsdp2", {"reshard": False}),
+    # The HSDP bonus: a 2-D mesh (replicas R, shard size S) = (2, 2), so W = 4 only.
+    "HSDP 2x2": ("hsdp", {"reshard": True, "mesh": (2, 2)}),
 }
 
 
@@ -109,6 +111,16 @@ def build_trainer(name: str, cfg, batch: int, device: torch.device, meter: CommM
             adapters.fully_shard(block, reshard_after_forward=opt["reshard"])
         adapters.fully_shard(model, reshard_after_forward=opt["reshard"])
         adapters.set_prefetch(model, opt["prefetch"])
+    elif family == "hsdp":
+        import adapters
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if dist.get_world_size() != opt["mesh"][0] * opt["mesh"][1]:
+            raise NotImplementedError(f"{name} needs W = {opt['mesh'][0] * opt['mesh'][1]} ranks")
+        mesh = init_device_mesh(device.type, opt["mesh"], mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            adapters.fully_shard(block, reshard_after_forward=opt["reshard"], mesh=mesh)
+        adapters.fully_shard(model, reshard_after_forward=opt["reshard"], mesh=mesh)
     elif family == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -117,7 +129,7 @@ def build_trainer(name: str, cfg, batch: int, device: torch.device, meter: CommM
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=opt["reshard"])
         fully_shard(model, mesh=mesh, reshard_after_forward=opt["reshard"])
-    if family == "fsdp":
+    if family in ("fsdp", "hsdp"):
         import adapters
 
         optimizer = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=lr)
