@@ -119,12 +119,9 @@ def bonus_of(item) -> str | None:
     return None if marker is None else str(marker.args[0] if marker.args else "bonus")
 
 
-def task_number(task) -> int:
-    """Where a task sorts and how its tests are numbered: 1..7, and the bonus after the last task."""
-    return task if isinstance(task, int) else 1 + max(_points_tasks)
-
-
-_points_tasks = [7]  # set from tests/points.py when the grader loads it
+def task_order(task) -> tuple[int, int]:
+    """Sort key of a task: 1..7 in order, the bonus after them."""
+    return (1, 0) if task == BONUS else (0, task)
 
 
 def weight_of(item, default: float) -> float:
@@ -174,7 +171,7 @@ class Grader:
         self.first = config.getoption("--grade-first") or []
         self.first_task = config.getoption("--grade-first-task")
         self.points = load_points(config.rootpath)
-        _points_tasks[:] = list(self.points.TASK_POINTS)
+        self.bonus_number = 1 + max(self.points.TASK_POINTS)  # bonus tests are numbered 8.1, 8.2, ...
         self.start = time.time()
         self.records: dict[str, Record] = {}
         self.order: list[str] = []
@@ -234,18 +231,18 @@ class Grader:
             # Every public test before any hidden one: a hidden test's rank runs student code that can read
             # the hidden module it was imported with; whatever it might leave behind, no visible test runs after.
             return (first, rec.hidden if rec else True, task != self.first_task if self.first_task else False,
-                    task_number(task), index[item.nodeid])
+                    task_order(task), index[item.nodeid])
 
         session.items.sort(key=key)
         selected = {item.nodeid for item in session.items}
         self.records = {k: v for k, v in self.records.items() if k in selected}
         self.order = [item.nodeid for item in session.items if item.nodeid in self.records]
         per_task: dict[int, int] = {}
-        for nodeid in sorted(self.order, key=lambda n: (task_number(self.records[n].task), self.records[n].hidden,
+        for nodeid in sorted(self.order, key=lambda n: (task_order(self.records[n].task), self.records[n].hidden,
                                                         index[n])):
             rec = self.records[nodeid]
             per_task[rec.task] = per_task.get(rec.task, 0) + 1
-            rec.number = f"{task_number(rec.task)}.{per_task[rec.task]}"
+            rec.number = f"{self.bonus_number if rec.task == BONUS else rec.task}.{per_task[rec.task]}"
         self.limits.plan([(n, self.records[n].task) for n in self.order])
         self.write()
 
@@ -667,7 +664,7 @@ class TimeLimits:
         rows = []
         if self.enabled and self.share and self.budget:
             rows.append("task shares of the budget (lost to failing tests/share s): " + ", ".join(
-                f"{t}: {self.lost[t]:.0f}/{self.share[t]:.0f}" for t in sorted(self.share, key=task_number)))
+                f"{t}: {self.lost[t]:.0f}/{self.share[t]:.0f}" for t in sorted(self.share, key=task_order)))
         if self.hung:
             rows.append("hung: " + "; ".join(f"{' and '.join(_function_label(f) for f in sorted(fs))} in {w}"
                                              for fs, w in self.hung.items()))
