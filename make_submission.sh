@@ -223,7 +223,7 @@ if [ "$RUN_TESTS" = 1 ] && ! "$PYTHON" -c "import torch, pytest" >/dev/null 2>&1
     RUN_TESTS=0
 fi
 if [ "$RUN_TESTS" = 1 ]; then
-    echo "Running the public tests (python -m pytest tests/public); this takes a few minutes..."
+    echo "Running the public tests (python -m pytest tests/public -m \"not bonus\"; the bonus tests: python -m pytest -m bonus); this takes a few minutes..."
     JUNIT="$(mktemp "${TMPDIR:-/tmp}/fsdp-public-XXXXXX.xml")"
     "$PYTHON" -m pytest tests/public -m "not bonus" -q --tb=line -rfE -p no:cacheprovider --junitxml="$JUNIT"
     rc=$?
