@@ -142,8 +142,10 @@ def test_reference_gets_full_marks(autograder):
     assert data["score"] == pytest.approx(_points().total_points(), abs=0.01)
     visibilities = {t["visibility"] for t in data["tests"]}
     assert visibilities == {"visible", "after_published"}
-    tasks = {int(t["number"].split(".")[0]) for t in data["tests"]}
+    tasks = {int(t["number"].split(".")[0]) for t in data["tests"] if "bonus" not in t.get("tags", [])}
     assert tasks == set(_points().TASK_POINTS)
+    bonus = data.get("extra_data", {}).get("bonus", {})  # graded apart from the score (tests/points.py)
+    assert bonus.get("score") == pytest.approx(_points().BONUS_POINTS, abs=0.01), bonus
     print(f"\nwhole grading run (public + hidden, {len(data['tests'])} tests) through run_autograder: "
           f"{seconds:.1f} s wall; pytest's own execution_time {data['execution_time']} s")
     assert "not run" not in json.dumps(data), "no test may be cut by the budget or a time limit"
