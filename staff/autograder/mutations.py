@@ -237,6 +237,10 @@ MUTANTS: list[Mutant] = [
            "        if False:\n",
            "silently flattens a weight tied to another unit's a second time (unties it)",
            "tied weights updated twice, or once on the wrong rank"),
+    Mutant("m41", 4, "        if _in_backward():\n            # A reentrant recomputation",
+           "        if False:\n            # A reentrant recomputation",
+           "reshards after a reentrant recomputation (checkpoint(block, use_reentrant=True)): every checkpointed "
+           "unit is all-gathered twice per backward"),
     Mutant("m40", 7, "        if owner is not None and owner[0]() is not None:\n",
            "        if owner is not None and any(owner[0]() is u.module for u in fsdp_units(module)):\n",
            "rejects a weight tied to a child unit's but not one tied to a sibling's: fully_shard(m.embed); "
@@ -417,7 +421,7 @@ KIND_OF: dict[str, str] = {
     "m23": "accumulation", "m24": "accumulation", "m25": "lifecycle", "m26": "grad-math", "m27": "grad-math",
     "m28": "memory", "m29": "checkpoint", "m30": "checkpoint", "m31": "checkpoint", "m32": "memory",
     "m33": "waste", "m34": "async", "m35": "ownership", "m36": "precision", "m37": "accumulation",
-    "m38": "lifecycle", "m39": "ownership", "m40": "ownership",
+    "m38": "lifecycle", "m39": "ownership", "m40": "ownership", "m41": "waste",
     "g01": "state", "g02": "state", "g03": "state", "g04": "state", "g05": "precision", "g06": "async",
     "g07": "waste", "g08": "lifecycle", "g09": "waste", "g10": "precision", "g11": "waste", "g12": "checkpoint",
     "g13": "checkpoint", "g14": "memory", "g15": "memory", "g16": "waste", "g17": "waste", "g18": "waste",
