@@ -34,6 +34,7 @@ class FSDPModule:
 
     @property
     def fsdp_unit(self) -> FSDPUnit:
+        """This module's ``FSDPUnit`` (``support/state.py``), stored by ``fully_shard`` as ``self._fsdp_unit``."""
         raise NotImplementedError("Task 7: implement FSDPModule.fsdp_unit() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -59,8 +60,10 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     (PyTorch's FSDP2 raises the same error, at the root's lazy init). A tie inside one unit is fine: the
     tied parameter is kept under the first of its names in ``module.named_parameters(remove_duplicate=False)``
     order.
-    Registers, in this order, a forward pre-hook that calls ``lazy_init`` at the first forward, then
-    ``PrefetchHooks().register(unit)``.
+    Sets ``module._fsdp_unit`` to the new ``FSDPUnit``: that attribute is what makes a module a unit for
+    ``support.state.fsdp_units`` and ``named_flat_params`` (and what the tests read to find a unit), so use
+    exactly this name. Registers, in this order, a forward pre-hook that calls ``lazy_init`` at the first
+    forward, then ``PrefetchHooks().register(unit)``.
     """
     raise NotImplementedError("Task 7: implement fully_shard() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
