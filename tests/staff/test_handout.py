@@ -116,6 +116,32 @@ def test_writeup_points_and_deliverables_match_the_points_table():
                      re.MULTILINE), "WRITEUP_TEMPLATE.md: no bonus section with its points"
 
 
+def part_points(deliverable: str) -> float:
+    """The points of a deliverable's parts: "(1)", "(0.5 + 0.5)" and "(0.5 each: 1.5)" after each part."""
+    total = 0.0
+    for m in re.finditer(r"\((\d+(?:\.\d+)?)(?: \+ (\d+(?:\.\d+)?))?\)|\(\d+(?:\.\d+)? each: (\d+(?:\.\d+)?)\)",
+                         deliverable):
+        total += sum(float(g) for g in m.groups() if g)
+    return total
+
+
+def test_every_question_gives_points_per_part_that_add_up():
+    """Each question's deliverable splits its points over its parts, (a), (b), ..., and they add up to the
+    question's points: the partial-credit promise of the handout, written where the student reads it."""
+    points = _points()
+    text = (ROOT / "WRITEUP_TEMPLATE.md").read_text(encoding="utf-8")
+    wrong = []
+    for block in re.split(r"^(?=\*\*Q\d+\.\*\*|## )", text, flags=re.MULTILINE):
+        m = re.match(r"\*\*(Q\d+)\.\*\*", block)
+        if m:
+            deliverable = re.search(r"^\*Deliverable:\* (.*)$", block, re.MULTILINE).group(1)
+            got = part_points(deliverable)
+            if "(a)" not in deliverable or got != points.WRITEUP_QUESTION_POINTS[m.group(1)]:
+                wrong.append(f"{m.group(1)}: parts add up to {got}, the question is worth "
+                             f"{points.WRITEUP_QUESTION_POINTS[m.group(1)]}")
+    assert not wrong, "WRITEUP_TEMPLATE.md deliverables without points per part that add up:\n  " + "\n  ".join(wrong)
+
+
 def test_ci_runs_the_readmes_own_commands():
     """.ci/run installs with the README's install line (pip's quiet flags aside) and runs its test command."""
     release = _load_release()
