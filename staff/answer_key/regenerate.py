@@ -168,6 +168,47 @@ def crossover_w(alpha: float, beta: float, t_comp: float, psi: int, units: int, 
     return ((t + a - c) + ((t + a - c) ** 2 + 4 * a * c) ** 0.5) / (2 * a)
 
 
+def bands(mem: dict, comm: dict, step: dict, scaling: dict) -> list[str]:
+    """Per quantity of the handout's "what good results look like" table: ours, and the band we print there.
+    Exact quantities get tight bands; timings (machine- and load-dependent) only a direction."""
+    out = ["| quantity | ours (this run) | band in the handout |", "| --- | --- | --- |"]
+    rows = {(r.get("strategy"), r.get("world_size")): r for r in mem.get("results") or []}
+    one = rows.get(("one process", 1))
+    for W in (2, 4):
+        r = rows.get(("FSDP", W))
+        if one and r:
+            out.append(f"| FSDP peak / one process, W = {W} | {r['peak_bytes'] / one['peak_bytes']:.3f} | below "
+                       f"{1 / W + 0.25:.2f} (1/W + 0.25: model states shrink as 1/W, activations and units do not) |")
+    errs = [abs(r["model_error"]) for r in mem.get("results") or [] if r.get("model_error") is not None
+            and str(r.get("strategy", "")).startswith("FSDP")]
+    if errs:
+        out.append(f"| FSDP rows' model error, largest | {100 * max(errs):.1f}% | within 20% |")
+    opt = [(r["breakdown_at_peak"]["optim"], 8 * r["model"]["S"]) for r in mem.get("results") or []
+           if r.get("strategy") == "FSDP" and (r.get("breakdown_at_peak") or {}).get("optim") and (r.get("model") or {}).get("S")]
+    if opt:
+        out.append(f"| FSDP optim MiB / 8 S | {max(abs(a / b - 1) for a, b in opt):.4f} off at most | exactly 1 (0.1%) |")
+    ratios = [r["ratio"] for r in comm.get("bytes_per_step") or [] if r.get("strategy", "").startswith("FSDP")
+              and "FSDP2" not in r.get("strategy", "") and r.get("ratio") is not None]
+    if ratios:
+        out.append(f"| FSDP counted / formula bytes | {min(ratios):.4f} to {max(ratios):.4f} | 1.000 (fp32, "
+                   f"reshard on and off) |")
+    for r in step.get("ratios") or []:
+        if r.get("comparison", "").startswith("FSDP + prefetch / FSDP step"):
+            out.append(f"| prefetch / no prefetch step time, {r.get('interconnect')} | {fmt(r.get('median'))} | "
+                       f"{'below 1' if 'simulated' in str(r.get('interconnect')) else 'about 1 or below (noise on a loaded CPU)'} |")
+    for r in step.get("results") or []:
+        if r.get("strategy") == "FSDP + prefetch" and isinstance(r.get("exposed"), list) and r["exposed"]:
+            fr = max(x.get("exposed_comm_fraction") or 0 for x in r["exposed"])
+            out.append(f"| exposed comm with prefetching (fraction of the step), {r.get('interconnect')} | "
+                       f"{fr:.2f} | below the no-prefetch row's |")
+    weak = sorted((r["world_size"], r["peak_bytes"]) for r in scaling.get("results") or []
+                  if r.get("scaling") == "weak" and r.get("strategy") == "FSDP")
+    if weak:
+        out.append(f"| weak scaling FSDP peak per rank, W = {', '.join(str(w) for w, _ in weak)} | "
+                   f"{', '.join(f'{p / MIB:.1f}' for _, p in weak)} MiB | falls with W |")
+    return out
+
+
 def derive(results: Path) -> list[str]:
     """Per question, the numbers the key refers to (markdown lines)."""
     lines: list[str] = []
@@ -299,6 +340,9 @@ def derive(results: Path) -> list[str]:
                          f"U = {units} units, Psi = {base['psi_params']:,}, b = 4: a = 3 U alpha = "
                          f"{3 * units * alpha * 1e3:.1f} ms, c = 3 Psi b / beta = "
                          f"{3 * base['psi_params'] * 4 / f['beta_Bps'] * 1e3:.0f} ms, W* = {w_star:.2f}.")
+
+    section(lines, "Bands (the handout's table of what good results look like)")
+    lines += bands(mem, comm, step, scaling)
 
     section(lines, "Q20 (arithmetic: 13B parameters, AdamW, bf16 mixed precision, 8 GPUs of 80 GB)")
     psi13, W = 13e9, 8

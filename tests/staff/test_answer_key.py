@@ -61,7 +61,7 @@ def test_the_numbers_are_generated_and_name_their_machine():
     for q in ("Q2", "Q4", "Q8", "Q10 and Q15", "Q14", "Q16", "Q17", "Q18", "Q19", "Q20", "Q22", "Q24"):
         assert f"## {q} " in text, f"NUMBERS.md has no section for {q}"
     # Every [N: ...] the key refers to exists.
-    for ref in set(re.findall(r"\[N: ([^\]]+)\]", KEY.read_text(encoding="utf-8"))):
+    for ref in set(re.findall(r"\[N: (Q[^\]]+)\]", KEY.read_text(encoding="utf-8"))):
         assert f"## {ref} " in text, f"ANSWER_KEY.md refers to [N: {ref}], which NUMBERS.md does not have"
 
 
