@@ -91,6 +91,18 @@ def test_the_fingerprint_ignores_docstrings_and_comments_but_not_code():
     assert regenerate._code_only(code) != regenerate._code_only(other)
 
 
+def test_every_number_the_key_quotes_is_in_numbers_md_or_the_question():
+    """The key types no measurement: every decimal or thousands-grouped number in it (1.5 points aside, written
+    as "(1.5)" or "1.5:") is in NUMBERS.md, the template's questions or the handout's sources."""
+    key = KEY.read_text(encoding="utf-8").split("## Bonus")[0]
+    key = re.sub(r"\(\d+(?:\.\d+)?\)|\b\d+(?:\.\d+)?(?=:| \(0\.5 (?:each|per))", "", key)  # points of parts
+    sources = NUMBERS.read_text(encoding="utf-8") + (ROOT / "WRITEUP_TEMPLATE.md").read_text(encoding="utf-8") + \
+        "".join(p.read_text(encoding="utf-8") for p in (ROOT / "handout").glob("*.typ"))
+    quoted = set(re.findall(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+\.\d+)(?![\w.])", key))
+    missing = sorted(n for n in quoted if n not in sources)
+    assert not missing, f"ANSWER_KEY.md quotes numbers found neither in NUMBERS.md nor in the questions: {missing}"
+
+
 def test_the_release_has_no_answer_key_and_its_check_catches_one(tmp_path):
     release = _load("_release", "staff/release.py")
     dest = tmp_path / "release"
