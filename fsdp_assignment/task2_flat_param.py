@@ -34,7 +34,17 @@ class FlatParameter:
         shard_numel:   ``padded_numel // world_size``
         shard_offset:  ``rank * shard_numel``, where this rank's shard starts in the flat buffer
         shard:         ``nn.Parameter`` of shape ``[shard_numel]``: this rank's shard (what the optimizer sees)
-        unsharded:     1-D tensor of ``padded_numel`` elements whose storage has size 0 while sharded
+        unsharded:     1-D tensor of ``padded_numel`` elements whose storage has size 0 while sharded. A
+                       *leaf* (made with ``torch.empty``, never the result of an op) whose ``requires_grad`` is
+                       the parameters': autograd then accumulates every view's gradient into ``unsharded.grad``,
+                       one padded flat gradient, which Task 4 reduce-scatters. So a trainable parameter unused
+                       in forward gets zeros there when another parameter of this FlatParameter got a
+                       gradient (plain PyTorch leaves its ``.grad`` at None; Task 4's module docstring).
+        unsynced_grad: None here. Task 4 (``BackwardHooks.reduce_grad``) keeps in it the full flat gradient
+                       summed over backward passes run without gradient sync (Task 7's
+                       ``set_requires_gradient_sync(False)``), in ``reduce_dtype``, until a synced backward
+                       reduces it.
+        module, rank, world_size, dtype, device, requires_grad: as given, or the parameters' (all agree)
     """
 
     def __init__(self, module: nn.Module, param_names: list[str], rank: int, world_size: int,

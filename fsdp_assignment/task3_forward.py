@@ -37,6 +37,12 @@ def unshard(flat_param: FlatParameter, group: dist.ProcessGroup | None = None, *
     count and delay them by patching ``torch.distributed``, so look them up as ``dist.<name>`` when you
     call them (not ``from torch.distributed import ...``) for the benchmarks' figures to include them.
 
+    With ``async_op=True`` the collective's input must stay alive until ``wait()``: under mixed precision
+    it is the cast copy of the shard, a new tensor that nothing else references, and a collective in flight
+    may still read it after this function returns (on a GPU it does). The handle ``torch.distributed``
+    returns holds a reference to its input, so returning that handle is enough; a handle of your own
+    (wrapping or deferring the collective) must keep the cast copy referenced until its ``wait()``.
+
     The all-gather writes into ``unsharded.data``: writing through the autograd-visible tensor would bump its
     version counter, and autograd would then refuse the views it saved for backward ("modified by an
     inplace operation") although their data is exactly what was saved.

@@ -19,8 +19,9 @@ post-backward autograd never ran: inputs that need no gradient, detached outputs
 padding of ``shard.grad`` is zero; no unit stays unsharded after backward, and during it at most one
 non-root unit is unsharded at any moment, the one whose backward runs (activation-checkpointing
 recomputation included; Task 6's prefetching adds the next one; the root, whose output is the loss, may
-stay unsharded until the final callback); a unit whose parameters got no gradient never blocks (there is
-nothing to reduce for it, on every rank alike).
+stay unsharded until the final callback); each unit is all-gathered at most once per backward (only if it
+was resharded after forward; a reentrant recomputation's gather is that one, see ``post_forward``); a unit
+whose parameters got no gradient never blocks (there is nothing to reduce for it, on every rank alike).
 
 Known difference from single-process PyTorch: a trainable parameter that took no part in the forward still
 gets a gradient, of zeros, when another parameter of its FlatParameter got one (autograd fills the whole
@@ -99,7 +100,15 @@ class BackwardHooks(ForwardHooks):
         to run once, when autograd first reaches any of ``output``'s tensors that require grad
         (``torch.autograd.graph.register_multi_grad_hook(..., mode="any")``). During a recomputation
         (the unit is in PRE_BACKWARD, see ``pre_forward``) do nothing: the unit stays unsharded for the
-        backward that is running. Returns ``output``."""
+        backward that is running. Returns ``output``.
+
+        Reentrant checkpointing around a whole unit (``checkpoint(block, x, use_reentrant=True)``) is the
+        other recomputation: the first forward ran under ``torch.no_grad()`` (so it registered no hooks), and
+        the recomputation runs during backward (``torch._C._current_graph_task_id() != -1``) as an ordinary
+        forward of the unit, whose own backward follows at once. Then do not reshard (skip Task 3's
+        ``post_forward``, just mark the unit IDLE) and still register the pre-backward hook: the unit is
+        all-gathered once per backward, by the recomputation (the tests count the all-gathers per unit per
+        backward: resharding here costs one more per unit)."""
         raise NotImplementedError("Task 4: implement BackwardHooks.post_forward() in fsdp_assignment/task4_backward.py (see its docstring)")
 
     def pre_backward(self, unit: FSDPUnit) -> None:
@@ -110,7 +119,13 @@ class BackwardHooks(ForwardHooks):
 
         Make the views under ``torch.enable_grad()``: autograd runs hooks with grad mode off, and a
         reentrant activation checkpoint inside the unit (``use_reentrant=True``) recomputes its forward
-        from these views, so they must be connected to ``unsharded`` for its gradient to reach it."""
+        from these views, so they must be connected to ``unsharded`` for its gradient to reach it.
+
+        Where the callback is queued matters under reentrant checkpointing: a reentrant recomputation runs
+        its own, nested backward pass (a separate graph task), and a callback queued from a hook inside it
+        runs when that nested pass ends, long before the whole backward is done. Queue it from the first
+        pre-backward of the outer pass (the root's: its output is the loss) and, once
+        ``shared.backward_callback_queued`` is set, never again until ``finalize_backward`` clears it."""
         raise NotImplementedError("Task 4: implement BackwardHooks.pre_backward() in fsdp_assignment/task4_backward.py (see its docstring)")
 
     def post_backward(self, unit: FSDPUnit) -> None:

@@ -49,6 +49,7 @@ class FSDPModule:
 
     @property
     def fsdp_unit(self) -> FSDPUnit:
+        """This module's ``FSDPUnit`` (``support/state.py``), stored by ``fully_shard`` as ``self._fsdp_unit``."""
         raise NotImplementedError("Task 7: implement FSDPModule.fsdp_unit() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -66,11 +67,20 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` is the dtype parameters are gathered
     and computed in, ``reduce_dtype`` the dtype gradients are reduced in (default: ``param_dtype``).
     The default process group must be initialized. Raises ``ValueError`` when ``module`` is already a unit,
-    or when one of its parameters is also owned by a child unit (a parameter tied across units: apply
-    ``fully_shard`` to a module that contains every user of the tied parameter instead). A tied parameter
-    is kept under the first of its names in ``module.named_parameters(remove_duplicate=False)`` order.
-    Registers, in this order, a forward pre-hook that calls ``lazy_init`` at the first forward, then
-    ``PrefetchHooks().register(unit)`` (with HSDP, a subclass that adds the all-reduce across replicas).
+    or when one of its parameters was already flattened by another unit, a child or a sibling (a parameter
+    tied across units, e.g. ``fully_shard(m.embed); fully_shard(m.head)`` with ``head.weight is
+    embed.weight``): sharding it twice would give it two independent copies that training silently unties.
+    The message names both units; the fix is to apply ``fully_shard`` once, to a module that contains every
+    user of the tied parameter. A sibling is not in ``module``'s subtree, so the check needs a record that
+    travels with the parameter: mark each parameter you flatten with the unit that flattened it
+    (PyTorch's FSDP2 raises the same error, at the root's lazy init). A tie inside one unit is fine: the
+    tied parameter is kept under the first of its names in ``module.named_parameters(remove_duplicate=False)``
+    order.
+    Sets ``module._fsdp_unit`` to the new ``FSDPUnit``: that attribute is what makes a module a unit for
+    ``support.state.fsdp_units`` and ``named_flat_params`` (and what the tests read to find a unit), so use
+    exactly this name. Registers, in this order, a forward pre-hook that calls ``lazy_init`` at the first
+    forward, then ``PrefetchHooks().register(unit)`` (with HSDP, a subclass that adds the all-reduce across
+    replicas).
 
     Bonus keywords (see the module docstring): ``mesh``, a 1-D or 2-D ``DeviceMesh`` (None: the default
     group); with a 2-D mesh ``(R, S)`` the FlatParameters are built for the rank's place in its shard group

@@ -66,6 +66,8 @@ EXCLUDED = (
 )
 REQUIRED = (
     "README.md",
+    "CHANGELOG.md",
+    "docs/collectives_demo.py",
     "pyproject.toml",
     "adapters.py",
     "handout.pdf",

@@ -31,8 +31,9 @@ TASK_TITLES: dict[int, str] = {1: "meta-device init", 2: "FlatParameter", 3: "fo
 # each question's points and its "Deliverable:" line; tests/staff/test_handout.py checks that both agree with this
 # table, and the staff answer key (staff/answer_key/) gives full, partial and no credit for each.
 WRITEUP_QUESTION_POINTS: dict[str, int] = {
-    "Q1": 2, "Q2": 2, "Q3": 2, "Q4": 2, "Q5": 2, "Q6": 3, "Q7": 2, "Q8": 3, "Q9": 2, "Q10": 2, "Q11": 3,
-    "Q12": 3, "Q13": 3, "Q14": 3, "Q15": 3, "Q16": 2, "Q17": 3, "Q18": 2, "Q19": 3, "Q20": 2, "Q21": 3,
+    "Q1": 2, "Q2": 2, "Q3": 1, "Q4": 2, "Q5": 2, "Q6": 2, "Q7": 3, "Q8": 2, "Q9": 2, "Q10": 2, "Q11": 1, "Q12": 1,
+    "Q13": 3, "Q14": 2, "Q15": 3, "Q16": 3, "Q17": 2, "Q18": 3, "Q19": 2, "Q20": 3, "Q21": 1, "Q22": 3, "Q23": 2,
+    "Q24": 3,
 }
 WRITEUP_TABLE_POINTS: dict[str, int] = {
     "Memory benchmark": 2, "Communication benchmark": 2, "Step time and prefetching": 2, "Scaling": 2,

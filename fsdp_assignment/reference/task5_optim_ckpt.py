@@ -22,6 +22,14 @@ Formats (``fqn`` = original parameter name relative to the module passed in):
                     on rank 0, {} elsewhere. A tied parameter is one optimizer parameter: once, under its
                     kept name.
 - optimizer, sharded: same layout, tensors as this rank's 1-D pieces, on every rank.
+Per-element state and scalars: an optimizer state value is *per-element* (AdamW's ``exp_avg``,
+``exp_avg_sq``) when it is a tensor laid out like the parameter: in the live optimizer a 1-D tensor shaped like
+the shard; in a saved dict the parameter's full shape (full) or its 1-D piece (sharded). Everything else
+(Python numbers, 0-dim tensors such as AdamW's ``step``) is per-parameter scalar state: copied to every name
+of the FlatParameter when saving, and back to the shard's state as it is when loading. Tell them apart by
+``dim() == 0`` (scalar) on the value you hold: a shard's state is never 0-dim. The one ambiguous case is a
+0-dimensional *parameter*, whose full per-element state is 0-dim too: no test uses one (a sharded dict still
+works: its pieces are 1-D).
 Loading a full state dict: pass the same full dict on every rank. Loading restores everything the dict holds,
 buffers and the optimizer's hyperparameters (each param group's lr, weight decay, ...) included, as
 ``torch.optim.Optimizer.load_state_dict`` does. A full state dict exists on rank 0 only: the other ranks take

@@ -24,7 +24,7 @@ import torch.nn as nn
 from ..support.state import FSDPUnit, ShardedState, SharedState, fsdp_units, init_shared_state
 from .task2_flat_param import FlatParameter
 from .task3_forward import unshard
-from .task4_backward import BackwardHooks, accumulate_shard_grad, reduce_scatter_grad
+from .task4_backward import BackwardHooks, _in_backward, accumulate_shard_grad, reduce_scatter_grad
 
 
 def set_prefetch(module: nn.Module, enabled: bool) -> None:
@@ -80,11 +80,6 @@ def prefetch_backward(unit: FSDPUnit) -> None:
             _issue_unshard(order[i - 1])
         elif len(order) > 1:
             _issue_unshard(order[-1])
-
-
-def _in_backward() -> bool:
-    # True while autograd's engine runs a backward pass on this thread (FSDP2 asks the same way).
-    return torch._C._current_graph_task_id() != -1
 
 
 class PrefetchHooks(BackwardHooks):

@@ -51,6 +51,7 @@ class FSDPModule:
 
     @property
     def fsdp_unit(self) -> FSDPUnit:
+        """This module's ``FSDPUnit`` (``support/state.py``), stored by ``fully_shard`` as ``self._fsdp_unit``."""
         return self._fsdp_unit
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -79,11 +80,20 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` is the dtype parameters are gathered
     and computed in, ``reduce_dtype`` the dtype gradients are reduced in (default: ``param_dtype``).
     The default process group must be initialized. Raises ``ValueError`` when ``module`` is already a unit,
-    or when one of its parameters is also owned by a child unit (a parameter tied across units: apply
-    ``fully_shard`` to a module that contains every user of the tied parameter instead). A tied parameter
-    is kept under the first of its names in ``module.named_parameters(remove_duplicate=False)`` order.
-    Registers, in this order, a forward pre-hook that calls ``lazy_init`` at the first forward, then
-    ``PrefetchHooks().register(unit)`` (with HSDP, a subclass that adds the all-reduce across replicas).
+    or when one of its parameters was already flattened by another unit, a child or a sibling (a parameter
+    tied across units, e.g. ``fully_shard(m.embed); fully_shard(m.head)`` with ``head.weight is
+    embed.weight``): sharding it twice would give it two independent copies that training silently unties.
+    The message names both units; the fix is to apply ``fully_shard`` once, to a module that contains every
+    user of the tied parameter. A sibling is not in ``module``'s subtree, so the check needs a record that
+    travels with the parameter: mark each parameter you flatten with the unit that flattened it
+    (PyTorch's FSDP2 raises the same error, at the root's lazy init). A tie inside one unit is fine: the
+    tied parameter is kept under the first of its names in ``module.named_parameters(remove_duplicate=False)``
+    order.
+    Sets ``module._fsdp_unit`` to the new ``FSDPUnit``: that attribute is what makes a module a unit for
+    ``support.state.fsdp_units`` and ``named_flat_params`` (and what the tests read to find a unit), so use
+    exactly this name. Registers, in this order, a forward pre-hook that calls ``lazy_init`` at the first
+    forward, then ``PrefetchHooks().register(unit)`` (with HSDP, a subclass that adds the all-reduce across
+    replicas).
 
     Bonus keywords (see the module docstring): ``mesh``, a 1-D or 2-D ``DeviceMesh`` (None: the default
     group); with a 2-D mesh ``(R, S)`` the FlatParameters are built for the rank's place in its shard group
@@ -108,21 +118,24 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     offload = isinstance(offload_policy, CPUOffloadPolicy)
 
     # Parameters a child unit owns were removed from their modules by that child's FlatParameter, so the
-    # remaining named parameters (minus the children's shards) are exactly the ones this unit owns.
-    # A parameter still reachable here that a child also flattened is tied across units: flattening it
-    # twice would silently untie it. Weak references: they keep no freed parameter alive.
-    child_params = {id(p): p for u in fsdp_units(module) for ref in u.module._fsdp_param_refs
-                    if (p := ref()) is not None}
+    # remaining named parameters (minus the children's shards) are exactly the ones this unit owns, unless
+    # one of them is tied to a parameter another unit (a child, or a sibling: not in this subtree) already
+    # flattened. That unit marked the parameter object (below), so the mark is how we find it.
     trainable, frozen = [], []
     for name, param in module.named_parameters(remove_duplicate=False):
         if name.rpartition(".")[2] in FLAT_PARAM_NAMES:
             continue
-        if child_params.get(id(param)) is param:
-            raise ValueError(f"parameter {name!r} is shared with a child unit; apply fully_shard to the module "
-                             "that contains every user of a tied parameter, not to one of them")
+        owner = getattr(param, "_fsdp_owner", None)
+        if owner is not None and owner[0]() is not None:
+            raise ValueError(
+                f"fully_shard({_class_name(module)}): parameter {name!r} is tied to {owner[1]!r}, which the unit "
+                f"{_class_name(owner[0]())} already owns; a parameter tied across units would be sharded twice "
+                "and training would untie it. Apply fully_shard once, to a module containing every user of it")
         (trainable if param.requires_grad else frozen).append(name)
 
-    param_refs = [weakref.ref(module.get_parameter(n)) for n in trainable + frozen]
+    # Mark what this unit flattens: a weak reference (no module kept alive) plus the name, for the message.
+    for name in trainable + frozen:
+        module.get_parameter(name)._fsdp_owner = (weakref.ref(module), name)
     # The place of this rank in the group the unit is sharded over (the whole world without a mesh).
     rank, world_size = dist.get_rank(shard_group), dist.get_world_size(shard_group)
     param_dtype = mp.param_dtype if mp is not None else None
@@ -140,12 +153,17 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
                     reduce_dtype=(mp.reduce_dtype or param_dtype) if mp is not None else None,
                     cast_forward_inputs=mp.cast_forward_inputs if mp is not None else True)
     module._fsdp_unit = unit
-    module._fsdp_param_refs = param_refs
     module.__class__ = _fsdp_class(type(module))
     # Registered first, so it runs before the life cycle's pre-forward hook.
     module.register_forward_pre_hook(_lazy_init_hook)
     (PrefetchHooks() if replicate_group is None else _HybridHooks()).register(unit)
     return module
+
+
+def _class_name(module: nn.Module) -> str:
+    """The class name the user knows: ``Embedding`` for a unit whose class became ``FSDPEmbedding``."""
+    cls = type(module)
+    return cls.__bases__[-1].__name__ if issubclass(cls, FSDPModule) else cls.__name__
 
 
 # ---- Bonus: HSDP on a 2-D mesh, and CPU offload ----------------------------------------------------------------

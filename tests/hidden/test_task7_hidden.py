@@ -2,7 +2,8 @@
 reduce_dtype too), casts positional and keyword inputs unless cast_forward_inputs=False, and sums gradients
 accumulated without sync in reduce_dtype; gradient accumulation over two optimizer steps (with prefetching)
 communicates no gradient before the synced micro-batch; fully_shard(reshard_after_forward=False) never gathers an
-unsharded unit again; gather_full_params on every rank, from the shards."""
+unsharded unit again; gather_full_params on every rank, from the shards; a parameter tied across units (siblings
+in either order, a child and its parent, GPT's lm_head and wte) is rejected with a ValueError naming both units."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import adapters
-from fsdp_assignment.support.models import GPT, GPTConfig, gpt_batch, gpt_loss
+from fsdp_assignment.support.models import GPT, GPTConfig, TiedModel, gpt_batch, gpt_loss
 from tests.harness import run_ranks
 from tests.public.collectives import use_counted_collectives
 from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard, full_params_of,
@@ -315,3 +316,37 @@ def test_reshard_after_forward_false_via_fully_shard():
             f"rank {rank}: gather_full_params must give every parameter, under each of its names, on every rank"
         for name, p in full.items():
             assert_close(got["params"][name], p, f"rank {rank}: {name} after 2 SGD steps (reshard_after_forward=False)")
+
+
+# case -> (model, the units applied first, the unit that must be rejected, the classes its message names)
+TIE_CASES = {
+    "sibling head, then embed": (TiedModel, lambda m: [m.head], lambda m: m.embed, ("Linear", "Embedding")),
+    "child head, then the parent": (TiedModel, lambda m: [m.head], lambda m: m, ("Linear", "TiedModel")),
+    "GPT lm_head, then wte": (lambda: GPT(CFG), lambda m: [*m.blocks, m.lm_head], lambda m: m.wte,
+                              ("Linear", "Embedding")),
+}
+
+
+def _ties_across_units(rank, world_size):
+    out = {}
+    for case, (make, firsts, second, _) in TIE_CASES.items():
+        model = make()
+        for module in firsts(model):
+            adapters.fully_shard(module)
+        try:
+            adapters.fully_shard(second(model))
+            out[case] = None
+        except ValueError as e:
+            out[case] = str(e)
+    return out
+
+
+def test_tie_across_units_is_rejected_in_every_arrangement():
+    got = run_ranks(_ties_across_units, 2)
+    for rank, messages in enumerate(got):
+        for case, message in messages.items():
+            assert message is not None, f"rank {rank}, {case}: fully_shard must raise ValueError for a parameter " \
+                                        "another unit already flattened (a tie across units)"
+            names = TIE_CASES[case][3]
+            assert all(n in message for n in names), \
+                f"rank {rank}, {case}: the ValueError must name both units ({' and '.join(names)}); got: {message}"

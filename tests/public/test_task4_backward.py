@@ -9,6 +9,7 @@ import torch
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, LoRAConfig, LoRAModel, ToyMLP, gpt_batch, gpt_loss
 from tests.harness import run_ranks
+from tests.public.collectives import use_counted_collectives
 from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard,
                                  full_params_of, hand_shard, hand_shard_gpt, local_batch, rank_device,
                                  unsharded_storage_sizes)
@@ -211,10 +212,32 @@ AC_CFG = GPTConfig(n_layer=3)
 GPT_AC_UNITS = [f"blocks.{i}." for i in range(AC_CFG.n_layer)] + [""]
 
 
+def _name_gathered_buffers(model, log) -> list[str]:
+    """A list that receives, for every all-gather from now on, the name of the unit whose buffer it fills
+    ("blocks.1." or "" for the root), identified by the output's storage (the test's own bookkeeping)."""
+    units = {name: unit for name, unit in zip(GPT_AC_UNITS, [*(b._fsdp_unit for b in model.blocks),
+                                                             model._fsdp_unit])}
+    names: list[str] = []
+
+    def on_collective(call, output):
+        if call.kind == "all_gather" and output is not None:
+            ptr = output.untyped_storage().data_ptr()
+            names.append(next((n for n, u in units.items() for fp in u.flat_params
+                               if fp.unsharded.untyped_storage().data_ptr() == ptr), "?"))
+    log.listener = on_collective
+    return names
+
+
+def _per_unit(gathers: list[str]) -> dict[str, int]:
+    return {name or "<root>": gathers.count(name) for name in dict.fromkeys(GPT_AC_UNITS + gathers)}
+
+
 def checkpointing_run(rank, world_size, hooks=4, prefetch=False):
     """For every variant of AC_VARIANTS: one backward (and a second one, to exercise the recorded order with
-    prefetching) under activation checkpointing; gradient shards and unsharded counts."""
+    prefetching) under activation checkpointing; gradient shards, unsharded counts, and the all-gathers of each
+    backward (per unit: which buffer each gather filled)."""
     from torch.utils.checkpoint import set_checkpoint_early_stop
+    log = use_counted_collectives()
     out = {}
     for i, (where, reentrant, early_stop) in enumerate(AC_VARIANTS):
         cfg = GPTConfig(**{**AC_CFG.__dict__, "checkpoint": where, "checkpoint_reentrant": reentrant})
@@ -224,13 +247,18 @@ def checkpointing_run(rank, world_size, hooks=4, prefetch=False):
         root.shared.prefetch = prefetch
         counts: list[int] = []
         _sample_in_every_unit(model, [b.attn.c_attn for b in model.blocks], counts)
+        gathered = _name_gathered_buffers(model, log)
+        backward_gathers = []
         with set_checkpoint_early_stop(early_stop):
             for step in range(2):
                 for p in model.parameters():
                     p.grad = None
                 idx, tgt = local_batch(cfg, rank, world_size, step=step)
-                gpt_loss(model, idx, tgt).backward()
-        out[i] = {
+                loss = gpt_loss(model, idx, tgt)
+                gathered.clear()
+                loss.backward()
+                backward_gathers.append(sorted(gathered))
+        out[i] = {"backward_gathers": backward_gathers,
             "flat": describe_flat_params(model, grads=True), "counts": counts,
             "sizes": unsharded_storage_sizes(model),
             "full_grads_alive": [u.module.__class__.__name__ for u in adapters.fsdp_units(model)
@@ -257,9 +285,16 @@ def check_checkpointing(results, world_size, prefetch=False):
                 f"{what}, rank {rank}: up to {max(got['counts'])} non-root units unsharded at once (sampled in every "
                 f"unit's forward, recomputation and backward: {got['counts']}); at most {bound} (prefetch={prefetch}). A forward "
                 f"that recomputes a checkpointed unit during its backward must not reshard it nor prefetch")
+            for step, gathers in enumerate(got["backward_gathers"]):
+                assert gathers == sorted(GPT_AC_UNITS), (
+                    f"{what}, rank {rank}, backward {step + 1}: all-gathers per unit {_per_unit(gathers)}; each "
+                    f"unit (all resharded after forward) must be all-gathered exactly once per backward. Under "
+                    f"use_reentrant=True the recomputation is an ordinary forward run during backward: resharding "
+                    f"after it costs a second all-gather of the same unit (Task 4, BackwardHooks.post_forward)")
 
 
 def test_activation_checkpointing_matches_single_process():
     """torch.utils.checkpoint around each unit and around a block inside a unit (reentrant or not, with and
-    without early stop): gradients equal one process, units unsharded stay bounded during recomputation."""
+    without early stop): gradients equal one process, units unsharded stay bounded during recomputation, each unit
+    all-gathered once per backward."""
     check_checkpointing(run_ranks(checkpointing_run, 2, timeout=90), 2)

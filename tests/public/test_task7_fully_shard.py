@@ -156,16 +156,9 @@ def test_nested_units_own_each_parameter_once():
             assert_close(got["params"][name], p, f"rank {rank}: {name} (nested units, frozen and unused parameters)")
 
 
-def _tied(rank, world_size, split_tie):
+def _tied(rank, world_size):
     torch.manual_seed(0)
     model = TiedModel()
-    if split_tie:
-        adapters.fully_shard(model.head)
-        try:
-            adapters.fully_shard(model)
-        except ValueError as e:
-            return str(e)
-        return None
     for layer in model.layers:
         adapters.fully_shard(layer)
     adapters.fully_shard(model)
@@ -179,7 +172,7 @@ def _tied(rank, world_size, split_tie):
 
 def test_tied_weights_are_updated_once():
     world_size = 2
-    got = run_ranks(_tied, world_size, False)[0]
+    got = run_ranks(_tied, world_size)[0]
     torch.manual_seed(0)
     model = TiedModel()
     idx = torch.randint(0, 23, (3 * world_size, 5), generator=torch.Generator().manual_seed(2))
@@ -190,9 +183,28 @@ def test_tied_weights_are_updated_once():
         assert_close(got[name], p, f"{name} (tied weights)")
 
 
+def tie_rejection(first, second):
+    """``fully_shard(first(model)); fully_shard(second(model))`` on a TiedModel: the ValueError's message, or None."""
+    model = TiedModel()
+    adapters.fully_shard(first(model))
+    try:
+        adapters.fully_shard(second(model))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _tie_across_siblings(rank, world_size):
+    return tie_rejection(lambda m: m.embed, lambda m: m.head)
+
+
 def test_tie_across_sibling_units_is_rejected():
-    message = run_ranks(_tied, 2, True)[0]
-    assert message is not None, "fully_shard must raise ValueError when a parent would flatten a parameter a child unit owns"
+    # TiedModel's head.weight IS embed.weight; embed and head are siblings (neither contains the other).
+    message = run_ranks(_tie_across_siblings, 2)[0]
+    assert message is not None, "fully_shard(m.embed); fully_shard(m.head) on TiedModel (head.weight is embed.weight) " \
+                                "must raise ValueError: sharding the tied weight in two units silently unties it"
+    assert "Embedding" in message and "Linear" in message, \
+        f"the ValueError must name both units (their classes, Embedding and Linear); got: {message}"
 
 
 def _mixed_precision(rank, world_size):

@@ -116,6 +116,57 @@ def test_writeup_points_and_deliverables_match_the_points_table():
                      re.MULTILINE), "WRITEUP_TEMPLATE.md: no bonus section with its points"
 
 
+def test_the_models_box_copies_the_memory_model_the_benchmark_prints():
+    """The handout's Models box states bench_memory.py's peak-memory model term for term; its source carries the
+    benchmark's printed formula in a comment, so a change to the benchmark's model fails here until the box follows."""
+    printed = re.search(r"Model: (max\(.*?\)) \(see bench_memory\.py\)",
+                        (ROOT / "benchmarks" / "bench_memory.py").read_text(encoding="utf-8"))
+    assert printed, "bench_memory.py no longer prints 'Model: max(...) (see bench_memory.py)'"
+    box = (ROOT / "handout" / "handout.typ").read_text(encoding="utf-8")
+    assert f"// bench_memory model: {printed.group(1)}" in box, (
+        f"the handout's Models box does not carry bench_memory.py's model {printed.group(1)}: update the box's formula "
+        "and terms, then its '// bench_memory model: ...' line")
+
+
+def test_the_handout_version_is_the_changelogs_newest():
+    """The handout prints its version (data.typ's handout-version); CHANGELOG.md, which the release carries, lists
+    the versions newest first: the two agree, so a change is never shipped without its entry."""
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    newest = re.search(r"^## (\d+\.\d+\.\d+)", changelog, re.MULTILINE)
+    assert newest, "CHANGELOG.md has no '## x.y.z' entry"
+    data = (ROOT / "handout" / "data.typ").read_text(encoding="utf-8")
+    version = re.search(r'^#let handout-version = "([^"]+)"', data, re.MULTILINE)
+    assert version and version.group(1) == newest.group(1), (
+        f"handout/data.typ's handout-version ({version.group(1) if version else None}) is not CHANGELOG.md's newest "
+        f"entry ({newest.group(1)}): add the entry, or bump the version, and list the change in handout/errata.typ")
+
+
+def part_points(deliverable: str) -> float:
+    """The points of a deliverable's parts: "(1)", "(0.5 + 0.5)" and "(0.5 each: 1.5)" after each part."""
+    total = 0.0
+    for m in re.finditer(r"\((\d+(?:\.\d+)?)(?: \+ (\d+(?:\.\d+)?))?\)|\(\d+(?:\.\d+)? each: (\d+(?:\.\d+)?)\)",
+                         deliverable):
+        total += sum(float(g) for g in m.groups() if g)
+    return total
+
+
+def test_every_question_gives_points_per_part_that_add_up():
+    """Each question's deliverable splits its points over its parts, (a), (b), ..., and they add up to the
+    question's points: the partial-credit promise of the handout, written where the student reads it."""
+    points = _points()
+    text = (ROOT / "WRITEUP_TEMPLATE.md").read_text(encoding="utf-8")
+    wrong = []
+    for block in re.split(r"^(?=\*\*Q\d+\.\*\*|## )", text, flags=re.MULTILINE):
+        m = re.match(r"\*\*(Q\d+)\.\*\*", block)
+        if m:
+            deliverable = re.search(r"^\*Deliverable:\* (.*)$", block, re.MULTILINE).group(1)
+            got = part_points(deliverable)
+            if "(a)" not in deliverable or got != points.WRITEUP_QUESTION_POINTS[m.group(1)]:
+                wrong.append(f"{m.group(1)}: parts add up to {got}, the question is worth "
+                             f"{points.WRITEUP_QUESTION_POINTS[m.group(1)]}")
+    assert not wrong, "WRITEUP_TEMPLATE.md deliverables without points per part that add up:\n  " + "\n  ".join(wrong)
+
+
 def test_ci_runs_the_readmes_own_commands():
     """.ci/run installs with the README's install line (pip's quiet flags aside) and runs its test command."""
     release = _load_release()
