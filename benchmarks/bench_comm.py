@@ -42,6 +42,7 @@ default, all-gathers the root once, not twice: (3Ψ - Ψ_root)(W-1)/W.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import sys
 import time
@@ -49,11 +50,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
+from benchmarks import lazy_import  # noqa: E402
+from benchmarks import cli, report, sweep, trainers  # noqa: E402  (none of these imports torch)
 from benchmarks.cli import QUICK_MODEL  # noqa: E402
-from benchmarks import cli, comm_meter, launch, measure, report, sweep, trainers  # noqa: E402
+
+# imported on first use (inside the ranks, or after the flags were checked): see benchmarks/__init__.py
+torch = lazy_import("torch")
+dist = lazy_import("torch.distributed")
+comm_meter, launch, measure = (lazy_import(f"benchmarks.{m}") for m in ("comm_meter", "launch", "measure"))
 
 NAME = "comm"
 # --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
@@ -64,15 +68,6 @@ HEADERS_STEP = ["strategy", "W", "all-gather MiB", "reduce-scatter MiB", "all-re
 STEP_STRATEGIES = ["FSDP", "FSDP no-reshard", "FSDP2 (torch)", "FSDP2 (torch) no-reshard", "DDP (torch)"]
 FORMULA = {"FSDP": 3, "FSDP no-reshard": 2, "FSDP + prefetch": 3, "FSDP2 (torch)": 3,
            "FSDP2 (torch) no-reshard": 2, "DDP (torch)": 2}
-
-
-def parse_size(text: str) -> int:
-    units = {"kib": 1024, "kb": 1024, "k": 1024, "mib": 1024 ** 2, "mb": 1024 ** 2, "m": 1024 ** 2, "b": 1}
-    t = text.strip().lower()
-    for u in sorted(units, key=len, reverse=True):
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * units[u])
-    return int(t)
 
 
 def human(n: int) -> str:
@@ -150,19 +145,26 @@ def worker(ctx: launch.RankContext, payload: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------------
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """This script's flags (torch-free: run_all.py checks them all before running anything)."""
     p = cli.base_parser(__doc__)
     cli.world_sizes_arg(p, [2, 4])
     cli.add_model_args(p, params=4e6, layers=8, block_size=32, batch=1)
     cli.add_sim_args(p)
-    p.add_argument("--min-size", default="1KiB")
-    p.add_argument("--max-size", default="64MiB")
-    p.add_argument("--budget", type=float, default=0.15, help="seconds of timed collectives per size (at least 3)")
+    p.add_argument("--min-size", type=cli.size_bytes, default="1KiB", help="smallest message (B, KiB, MiB, GiB)")
+    p.add_argument("--max-size", type=cli.size_bytes, default="64MiB", help="largest message (B, KiB, MiB, GiB)")
+    p.add_argument("--budget", type=cli.positive_float, default=0.15, help="seconds of timed collectives per size (at least 3)")
     p.add_argument("--strategies", nargs="*", default=STEP_STRATEGIES, choices=list(FORMULA),
                    help="strategies whose bytes per step are counted (none: skip part 2)")
-    args = cli.parse(p, argv, NAME, QUICK)
-    sizes, s = [], parse_size(args.min_size)
-    while s <= parse_size(args.max_size):
+    return p
+
+
+def main(argv=None) -> dict:
+    args = cli.parse(parser(), argv, NAME, QUICK)
+    if args.min_size > args.max_size:
+        parser().error(f"--min-size {args.min_size} B is larger than --max-size {args.max_size} B")
+    sizes, s = [], args.min_size
+    while s <= args.max_size:
         sizes.append(s)
         s *= 4
     sim_bw = float(args.sim_bandwidth)
@@ -259,11 +261,9 @@ def main(argv=None) -> dict:
         fig.tight_layout()
         return fig
 
-    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), plot, quiet=args.quiet,
-                         quick=args.quick)
-    sweep.raise_failures(args)
+    sweep.finish(args, NAME, raw, md, plot)
     return raw
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)

@@ -33,6 +33,7 @@ Table header (scaling.md; the writeup copies it):
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import sys
@@ -40,7 +41,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import cli, launch, measure, report, sweep, trainers  # noqa: E402
+from benchmarks import lazy_import  # noqa: E402
+from benchmarks import cli, report, sweep, trainers  # noqa: E402  (none of these imports torch)
+
+# imported on first use (inside the ranks): see benchmarks/__init__.py
+launch, measure = lazy_import("benchmarks.launch"), lazy_import("benchmarks.measure")
 
 NAME = "scaling"
 HEADERS = ["scaling", "strategy", "W", "global batch", "batch per rank", "step ms", "efficiency", "tokens/s",
@@ -81,20 +86,25 @@ def worker(ctx: launch.RankContext, payload: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------------
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """This script's flags (torch-free: run_all.py checks them all before running anything)."""
     p = cli.base_parser(__doc__)
     cli.world_sizes_arg(p, [1, 2, 4])
     cli.add_model_args(p, params=4e6, layers=8, block_size=32, batch=4)
-    p.add_argument("--global-batch", type=int, default=None,
+    p.add_argument("--global-batch", type=cli.positive_int, default=None,
                    help="strong scaling's global batch (default --batch x the largest W); every W must divide it")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per strategy and batch (median and spread)")
+    p.add_argument("--steps", type=cli.positive_int, default=3, help="timed steps per strategy and batch (median and spread)")
     p.add_argument("--strategies", nargs="+", default=STRATEGIES,
                    choices=[s for s in trainers.STRATEGIES if s != "one process"])
-    args = cli.parse(p, argv, NAME, QUICK)
+    return p
+
+
+def main(argv=None) -> dict:
+    args = cli.parse(parser(), argv, NAME, QUICK)
     global_batch = args.global_batch or args.batch * max(args.world_sizes)
     bad = [w for w in args.world_sizes if global_batch % w]
     if bad:
-        raise SystemExit(f"--global-batch {global_batch} is not divisible by W = {bad}")
+        parser().error(f"--global-batch {global_batch} is not divisible by W = {bad}")
     cfg = trainers.model_config(args)
     psi = trainers.param_count(cfg)
     report.log(f"scaling: GPT {psi / 1e6:.2f}M params, W in {args.world_sizes}; weak: {args.batch} sequences per "
@@ -168,11 +178,9 @@ def main(argv=None) -> dict:
         fig.tight_layout()
         return fig
 
-    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), plot, quiet=args.quiet,
-                         quick=args.quick)
-    sweep.raise_failures(args)
+    sweep.finish(args, NAME, raw, md, plot)
     return raw
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)

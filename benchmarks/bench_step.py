@@ -39,16 +39,20 @@ Table headers (step.md; the writeup copies them):
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
+from benchmarks import lazy_import  # noqa: E402
+from benchmarks import cli, report, sweep, trainers  # noqa: E402  (none of these imports torch)
 from benchmarks.cli import QUICK_MODEL  # noqa: E402
-from benchmarks import cli, comm_meter, launch, measure, report, sweep, trainers  # noqa: E402
+
+# imported on first use (inside the ranks, or after the flags were checked): see benchmarks/__init__.py
+torch = lazy_import("torch")
+dist = lazy_import("torch.distributed")
+comm_meter, launch, measure = (lazy_import(f"benchmarks.{m}") for m in ("comm_meter", "launch", "measure"))
 
 NAME = "step"
 # --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
@@ -145,18 +149,23 @@ def worker(ctx: launch.RankContext, payload: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------------
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """This script's flags (torch-free: run_all.py checks them all before running anything)."""
     p = cli.base_parser(__doc__)
     cli.world_sizes_arg(p, [2])
     cli.add_model_args(p, params=4e6, layers=8, block_size=32, batch=8)
     cli.add_sim_args(p, default_bw="auto")
-    p.add_argument("--rounds", type=int, default=5, help="alternated rounds")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per strategy per round")
-    p.add_argument("--memory-rounds", type=int, default=2, help="alternated peak-memory measurements")
-    p.add_argument("--profile-steps", type=int, default=2, help="profiled steps per strategy (exposed comm)")
+    p.add_argument("--rounds", type=cli.positive_int, default=5, help="alternated rounds")
+    p.add_argument("--steps", type=cli.positive_int, default=2, help="timed steps per strategy per round")
+    p.add_argument("--memory-rounds", type=cli.positive_int, default=2, help="alternated peak-memory measurements")
+    p.add_argument("--profile-steps", type=cli.positive_int, default=2, help="profiled steps per strategy (exposed comm)")
     p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=[s for s in trainers.STRATEGIES if s != "one process"])
     p.add_argument("--no-one-process", action="store_true", help="skip the W=1 baseline launch")
-    args = cli.parse(p, argv, NAME, QUICK)
+    return p
+
+
+def main(argv=None) -> dict:
+    args = cli.parse(parser(), argv, NAME, QUICK)
     cfg = trainers.model_config(args)
     real_name = "nccl" if args.device == "cuda" else "gloo (real)"
     payload = {**trainers.model_payload(args), "strategies": args.strategies, "rounds": args.rounds, "steps": args.steps,
@@ -262,11 +271,9 @@ def main(argv=None) -> dict:
         fig.tight_layout()
         return fig
 
-    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), plot, quiet=args.quiet,
-                         quick=args.quick)
-    sweep.raise_failures(args)
+    sweep.finish(args, NAME, raw, md, plot)
     return raw
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)

@@ -41,6 +41,7 @@ plus the root's full parameters and gradients), where checkpointing changes noth
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import sys
@@ -50,9 +51,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+from benchmarks import lazy_import  # noqa: E402
+from benchmarks import bench_memory, cli, report, sweep  # noqa: E402  (none of these imports torch)
 
-from benchmarks import bench_memory, cli, launch, measure, report, sweep  # noqa: E402
+# imported on first use (inside the ranks, or after the flags were checked): see benchmarks/__init__.py
+torch = lazy_import("torch")
+launch, measure = lazy_import("benchmarks.launch"), lazy_import("benchmarks.measure")
 
 NAME = "gpt2"
 HEADERS = ["W", "activation checkpointing", "peak MiB", "model MiB", "model error", "16Ψ/W MiB", "units MiB",
@@ -215,23 +219,28 @@ def model_terms(cfg, w: int, probe: dict, batch: int, seq: int, ac: bool) -> dic
     return m
 
 
-def main(argv=None) -> dict:
-    t_start = time.perf_counter()
+def parser() -> argparse.ArgumentParser:
+    """This script's flags (torch-free: run_all.py checks them all before running anything)."""
     p = cli.base_parser(__doc__)
     cli.world_sizes_arg(p, [2])
     g = p.add_argument_group("model: GPT-2 small by default; smaller values reduce it")
-    g.add_argument("--layers", type=int, default=12)
-    g.add_argument("--n-embd", type=int, default=768)
-    g.add_argument("--n-head", type=int, default=12)
-    g.add_argument("--vocab", type=int, default=50257)
-    g.add_argument("--positions", type=int, default=1024, help="the model's context (position embeddings)")
-    g.add_argument("--seq", type=int, default=128, help="tokens per sequence in training (<= --positions)")
-    g.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
-    p.add_argument("--steps", type=int, default=2, help="measured AdamW steps after one warm-up step")
+    g.add_argument("--layers", type=cli.positive_int, default=12)
+    g.add_argument("--n-embd", type=cli.positive_int, default=768)
+    g.add_argument("--n-head", type=cli.positive_int, default=12)
+    g.add_argument("--vocab", type=cli.positive_int, default=50257)
+    g.add_argument("--positions", type=cli.positive_int, default=1024, help="the model's context (position embeddings)")
+    g.add_argument("--seq", type=cli.positive_int, default=128, help="tokens per sequence in training (<= --positions)")
+    g.add_argument("--batch", type=cli.positive_int, default=1, help="sequences per rank per step")
+    p.add_argument("--steps", type=cli.positive_int, default=2, help="measured AdamW steps after one warm-up step")
     p.add_argument("--checkpointing", choices=["both", "off", "on"], default="both")
     # a 124M-parameter model on a loaded CPU: two modes x (build + 3 steps) can take well over 10 minutes
     p.set_defaults(timeout=3600)
-    args = cli.parse(p, argv, NAME, QUICK)
+    return p
+
+
+def main(argv=None) -> dict:
+    t_start = time.perf_counter()
+    args = cli.parse(parser(), argv, NAME, QUICK)
     modes = {"both": [False, True], "off": [False], "on": [True]}[args.checkpointing]
     payload = {"layers": args.layers, "n_embd": args.n_embd, "n_head": args.n_head, "vocab": args.vocab,
                "positions": args.positions, "seq": min(args.seq, args.positions), "batch": args.batch,
@@ -291,11 +300,9 @@ def main(argv=None) -> dict:
         fig.tight_layout()
         return fig
 
-    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), plot, quiet=args.quiet,
-                         quick=args.quick)
-    sweep.raise_failures(args)
+    sweep.finish(args, NAME, raw, md, plot)
     return raw
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)

@@ -25,15 +25,19 @@ Output: <out>/train.json and train.md (no plot).
 
 from __future__ import annotations
 
+import argparse
 import socket
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+from benchmarks import lazy_import  # noqa: E402
+from benchmarks import cli, report, sweep, trainers  # noqa: E402  (none of these imports torch)
 
-from benchmarks import cli, launch, report, sweep, trainers  # noqa: E402
+# imported on first use (inside the ranks): see benchmarks/__init__.py
+torch = lazy_import("torch")
+launch = lazy_import("benchmarks.launch")
 
 NAME = "train"
 HEADERS = ["W", "nodes", "hosts", "steps", "final loss", "max rel. error vs one process"]
@@ -85,14 +89,19 @@ def worker(ctx: launch.RankContext, payload: dict) -> dict:
     return out
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """This script's flags (torch-free: run_all.py checks them all before running anything)."""
     p = cli.base_parser(__doc__)
     cli.world_sizes_arg(p, [2])
     cli.add_model_args(p, params=4e5, layers=4, block_size=32, batch=2)
-    p.add_argument("--steps", type=int, default=3, help="AdamW steps")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--eps", type=float, default=1e-4, help="AdamW eps (see the docstring)")
-    args = cli.parse(p, argv, NAME, QUICK)
+    p.add_argument("--steps", type=cli.positive_int, default=3, help="AdamW steps")
+    p.add_argument("--lr", type=cli.positive_float, default=1e-3)
+    p.add_argument("--eps", type=cli.positive_float, default=1e-4, help="AdamW eps (see the docstring)")
+    return p
+
+
+def main(argv=None) -> dict:
+    args = cli.parse(parser(), argv, NAME, QUICK)
     payload = {**trainers.model_payload(args), "steps": args.steps, "lr": args.lr, "eps": args.eps}
     done = sweep.run(args, NAME, "benchmarks.train_gpt:worker", [(f"W{w}", w, payload) for w in args.world_sizes])
     if not report.is_writer():
@@ -110,11 +119,9 @@ def main(argv=None) -> dict:
           f"global batch W x {args.batch} x {args.block_size} tokens, FSDP = adapters ({report.environment()['fsdp_impl']}), "
           f"launcher {args.launcher}.\n\n" + report.markdown_table(HEADERS, rows))
     raw = {"benchmark": NAME, "config": vars(args), "environment": report.environment(), "results": records}
-    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), None, quiet=args.quiet,
-                         quick=args.quick)
-    sweep.raise_failures(args)
+    sweep.finish(args, NAME, raw, md, None)
     return raw
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)
