@@ -81,5 +81,5 @@ def summary(machines: list[dict]) -> str:
     gpus = "no GPU" if not any(m.get("gpus") for m in machines) else f"GPU {one('gpu')} ({one('gpus')} per node)"
     nets = list(dict.fromkeys(n for m in machines for n in m.get("interconnect", [])))
     return (f"Machine: {len(machines)} rank(s) on {len(hosts)} host(s) ({', '.join(hosts)}); CPU {one('cpu')}, "
-            f"{one('cores')} cores per rank's process; {gpus}; torch {one('torch')}, CUDA {one('cuda')}, "
+            f"{one('cores')} usable cores per process; {gpus}; torch {one('torch')}, CUDA {one('cuda')}, "
             f"NCCL {one('nccl')}; network: {', '.join(nets) or 'not readable'}.")

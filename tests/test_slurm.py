@@ -318,7 +318,7 @@ def test_run_all_on_two_nodes_equals_the_local_run(tmp_path):
                   "--slurm-time-min", "8", "--timeout", "400", "--out", str(slurm), "--quiet"])
     assert (slurm / "summary.md").exists() and not list(slurm.glob("*.incomplete.*"))
     mem = {d: json.loads((d / "memory.json").read_text()) for d in (local, slurm)}
-    assert "2 rank(s) on 2 host(s) (fsdpn1, fsdpn2)" in mem[slurm]["machine"], mem[slurm]["machine"]
+    assert "3 rank(s) on 2 host(s) (fsdpn1, fsdpn2)" in mem[slurm]["machine"], mem[slurm]["machine"]
     assert mem[slurm]["ranks_machines"]["W1"][0]["host"] in NODES  # the baseline: one task, on a node
     rows = {d: {(r["strategy"], r["world_size"]): r for r in mem[d]["results"]} for d in mem}
     assert set(rows[local]) == set(rows[slurm]) and ("one process", 1) in rows[slurm]
