@@ -51,7 +51,8 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def write_outputs(out_dir: Path, name: str, raw: dict, markdown: str, plot: Callable[[], Any] | None, *,
-                  quiet: bool = False, quick: bool = False, suffix: str = "") -> dict:
+                  quiet: bool = False, quick: bool = False, suffix: str = "",
+                  more_plots: dict[str, Callable[[], Any]] | None = None) -> dict:
     """<out>/<name><suffix>.json (everything measured, plus how), .md (the table, also printed), .png (the figure
     ``plot()`` returns). A ``quick`` run's table starts by saying so, and its JSON records it.
 
@@ -65,19 +66,24 @@ def write_outputs(out_dir: Path, name: str, raw: dict, markdown: str, plot: Call
     paths = {"json": out_dir / f"{name}{suffix}.json", "md": out_dir / f"{name}{suffix}.md"}
     if plot is not None:
         paths["png"] = out_dir / f"{name}{suffix}.png"
+    figures = {"png": plot} if plot is not None else {}
+    for key, more in (more_plots or {}).items():  # more figures: <name>_<key><suffix>.png
+        paths[key] = out_dir / f"{name}_{key}{suffix}.png"
+        figures[key] = more
     tmp = {k: v.with_name(f".{v.name}.{os.getpid()}.tmp") for k, v in paths.items()}
     try:
         tmp["json"].write_text(json.dumps(raw, indent=2, default=str) + "\n")
         tmp["md"].write_text(markdown)
-        if plot is not None:
+        if figures:
             import matplotlib
 
             matplotlib.use("Agg")  # no display on clusters and CI
             import matplotlib.pyplot as plt
 
-            fig = plot()
-            fig.savefig(tmp["png"], dpi=110, format="png")
-            plt.close(fig)
+            for key, make in figures.items():
+                fig = make()
+                fig.savefig(tmp[key], dpi=110, format="png")
+                plt.close(fig)
         for k in paths:
             tmp[k].replace(paths[k])
     finally:

@@ -231,7 +231,8 @@ def machine_line(args: argparse.Namespace) -> str:
     return machine.summary([m for ms in getattr(args, "sweep_machines", {}).values() for m in ms])
 
 
-def finish(args: argparse.Namespace, name: str, raw: dict, markdown: str, plot: Callable[[], Any] | None) -> dict:
+def finish(args: argparse.Namespace, name: str, raw: dict, markdown: str, plot: Callable[[], Any] | None,
+           more_plots: dict[str, Callable[[], Any]] | None = None) -> dict:
     """Write the tables of a sweep, then raise SweepFailed if a launch failed.
 
     The machine the ranks ran on heads the table and goes into the JSON. A complete sweep replaces <out>/<name>.*
@@ -243,7 +244,8 @@ def finish(args: argparse.Namespace, name: str, raw: dict, markdown: str, plot: 
     suffix = ".incomplete" if fails else ""
     paths = {}
     if is_writer():
-        paths = write_outputs(args.out, name, raw, markdown, plot, quiet=args.quiet, quick=args.quick, suffix=suffix)
+        paths = write_outputs(args.out, name, raw, markdown, plot, quiet=args.quiet, quick=args.quick, suffix=suffix,
+                              more_plots=more_plots)
         folder = Path(getattr(args, "sweep_folder", ""))
         final = folder_of(args, name)
         if not fails and folder.parent.resolve() == final.parent.resolve() and folder.name != final.name \
@@ -252,7 +254,7 @@ def finish(args: argparse.Namespace, name: str, raw: dict, markdown: str, plot: 
             folder.rename(final)
             args.sweep_folder = final
         if not fails:
-            for stale in Path(args.out).glob(f"{name}.incomplete.*"):  # an older failed run's tables
+            for stale in Path(args.out).glob(f"{name}*.incomplete.*"):  # an older failed run's tables
                 stale.unlink()
     if fails:
         where = args.sweep_folder
