@@ -15,6 +15,15 @@ the spread (min-max, n). Bandwidths (from the median) follow nccl-tests:
     busbw = algbw * (W-1)/W     (each rank sends and receives (W-1)/W of the tensor in a ring; busbw is the
                                  number to compare with the link's bandwidth, whatever W is)
 
+The alpha-beta fit (the handout's model of one ring all-gather or reduce-scatter of N bytes, the full tensor, over
+W ranks):
+
+    T(N, W) = (W - 1) * alpha + (W - 1) / W * N / beta
+
+fitted per W and collective by least squares over the measured sizes (the median times): T = a + b N, alpha =
+a / (W-1), beta = (W-1) / (W b). The third table gives alpha, beta and the fit's largest relative error; the plot
+draws the fitted bus bandwidth beside the measured one.
+
 Part 2, bytes per step. One AdamW step of the benchmark GPT under each strategy, with every collective counted
 by benchmarks.comm_meter.CommMeter (bus bytes, as above: payload * (W-1)/W for all-gather and reduce-scatter,
 2 * payload * (W-1)/W for all-reduce). Ψ = parameters x 4 bytes (fp32). The formulas (ZeRO paper, ZeRO-3 =
@@ -63,11 +72,26 @@ NAME = "comm"
 # --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
 QUICK = ["--world-sizes", "2", "--max-size", "16KiB", "--budget", "0.01", "--strategies", "FSDP", "DDP (torch)"] + QUICK_MODEL
 HEADERS_COLL = ["collective", "W", "interconnect", "size", "time us", "algbw GB/s", "busbw GB/s"]
+HEADERS_FIT = ["collective", "W", "interconnect", "alpha us", "beta GB/s", "sizes", "max rel. error of the fit"]
 HEADERS_STEP = ["strategy", "W", "all-gather MiB", "reduce-scatter MiB", "all-reduce MiB", "total MiB", "formula",
                 "formula MiB", "counted / formula", "note"]
 STEP_STRATEGIES = ["FSDP", "FSDP no-reshard", "FSDP2 (torch)", "FSDP2 (torch) no-reshard", "DDP (torch)"]
 FORMULA = {"FSDP": 3, "FSDP no-reshard": 2, "FSDP + prefetch": 3, "FSDP2 (torch)": 3,
            "FSDP2 (torch) no-reshard": 2, "DDP (torch)": 2}
+
+
+def fit_alpha_beta(sizes: list[float], seconds: list[float], w: int) -> dict:
+    """Least squares of T = a + b N over the sizes; alpha = a / (W-1), beta = (W-1) / (W b) (bytes/s)."""
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    b = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx if sxx else float("nan")
+    a = my - b * mx
+    alpha = a / (w - 1)
+    beta = (w - 1) / (w * b) if b > 0 else float("inf")
+    worst = max(abs(a + b * x - y) / y for x, y in zip(sizes, seconds))
+    return {"alpha_s": alpha, "beta_bytes_per_s": beta, "a_s": a, "b_s_per_byte": b, "max_rel_error": worst,
+            "sizes": n}
 
 
 def human(n: int) -> str:
@@ -214,13 +238,27 @@ def main(argv=None) -> dict:
                                  "formula": f"{k}*psi*(W-1)/W", "formula_bytes": formula * report.MiB,
                                  "ratio": total / formula, "psi_params": psi, "note": note})
 
+    fits, fit_rows = [], []
+    for w in results:
+        for kind in ("all_gather", "reduce_scatter"):
+            pts = [r for r in coll_records if r["world_size"] == w and r["kind"] == kind]
+            if len(pts) < 2 or w < 2:
+                continue
+            f = fit_alpha_beta([r["size"] for r in pts], [r["seconds"] for r in pts], w)
+            fits.append({"kind": kind, "world_size": w, "interconnect": interconnect, **f})
+            fit_rows.append([kind.replace("_", "-"), w, interconnect, f["alpha_s"] * 1e6, f["beta_bytes_per_s"] / 1e9,
+                             f["sizes"], f"{f['max_rel_error']:.1%}"])
+
     md = (f"Collectives: {interconnect}; time us = median (min-max, n) of repeats, each the slowest rank's mean "
           f"over a batch of calls; algbw and busbw from the median; busbw = size/time x (W-1)/W.\n\n"
           + report.markdown_table(HEADERS_COLL, coll_rows)
           + f"\nBytes per training step (bus bytes per rank, counted), GPT Ψ = {psi:,} params x 4 B = "
           f"{psi * 4 / report.MiB:.2f} MiB:\n\n" + report.markdown_table(HEADERS_STEP, step_rows)
-          + ("\n" + "\n".join(skipped) + "\n" if skipped else ""))
-    raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": report.environment(),
+          + ("\n" + "\n".join(skipped) + "\n" if skipped else "")
+          + "\nalpha-beta fit of the collectives (the handout's model T(N, W) = (W-1)·alpha + (W-1)/W·N/beta, N = the "
+          "full tensor's bytes; least squares over the sizes above, per W; alpha < 0 means the small sizes are "
+          "dominated by noise):\n\n" + report.markdown_table(HEADERS_FIT, fit_rows))
+    raw = {"benchmark": NAME, "alpha_beta": fits, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": report.environment(),
            "interconnect": interconnect, "collectives": coll_records, "bytes_per_step": step_records, "skipped": skipped}
 
     def plot():
@@ -230,8 +268,20 @@ def main(argv=None) -> dict:
         for w in results:
             for kind, style in (("all_gather", "-o"), ("reduce_scatter", "--s")):
                 pts = [r for r in coll_records if r["world_size"] == w and r["kind"] == kind]
-                ax.plot([r["size"] for r in pts], [r["busbw_gbps"] for r in pts], style, ms=4,
-                        label=f"{kind.replace('_', '-')} W={w}")
+                xs = [r["size"] for r in pts]
+                ys = [r["busbw_gbps"] for r in pts]
+                # error bars: the bus bandwidth at the slowest and the fastest repeat
+                lo = [y - r["size"] / max(r["seconds_repeats"]) / 1e9 * (w - 1) / w for y, r in zip(ys, pts)]
+                hi = [r["size"] / min(r["seconds_repeats"]) / 1e9 * (w - 1) / w - y for y, r in zip(ys, pts)]
+                line = ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, ms=4, capsize=2,
+                                   label=f"{kind.replace('_', '-')} W={w} (min-max over repeats)")
+                f = next((f for f in fits if f["world_size"] == w and f["kind"] == kind), None)
+                if f is not None and f["b_s_per_byte"] > 0:
+                    model = [x / (f["a_s"] + f["b_s_per_byte"] * x) / 1e9 * (w - 1) / w for x in xs]
+                    if all(m > 0 for m in model):
+                        ax.plot(xs, model, ":", color=line[0].get_color(), lw=1,
+                                label=f"alpha-beta fit W={w}: {f['alpha_s'] * 1e6:.0f} us, "
+                                      f"{f['beta_bytes_per_s'] / 1e9:.2g} GB/s")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ticks = sorted({r["size"] for r in coll_records})
@@ -241,7 +291,7 @@ def main(argv=None) -> dict:
         ax.set_ylabel("bus bandwidth (GB/s)")
         ax.set_title(f"Collectives, {interconnect}", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=6)
         labels = [f"{r['strategy']}\nW={r['world_size']}" for r in step_records]
         x = range(len(step_records))
         bottom = [0.0] * len(step_records)

@@ -240,6 +240,11 @@ def main(argv=None) -> dict:
                 vals = [r["breakdown_at_peak"][c] / report.MiB for r in recs]
                 ax.bar(x, vals, bottom=bottom, color=colors[c], label=c if w == ws[0] else None)
                 bottom = [b + v for b, v in zip(bottom, vals)]
+            worst = [r["peak_bytes_all_steps_per_rank"][r["peak_bytes_per_rank"].index(r["peak_bytes"])] for r in recs]
+            ax.errorbar(x, [r["peak_bytes"] / report.MiB for r in recs], fmt="none", ecolor="black", capsize=3,
+                        yerr=[[(r["peak_bytes"] - min(s)) / report.MiB for r, s in zip(recs, worst)],
+                              [(max(s) - r["peak_bytes"]) / report.MiB for r, s in zip(recs, worst)]],
+                        label="peak, min-max over measured steps" if w == ws[0] else None)
             ax.scatter(x, [r["model"]["peak_bytes"] / report.MiB for r in recs], marker="_", s=600, color="black",
                        zorder=3, label="analytic model" if w == ws[0] else None)
             ax.set_xticks(list(x), [r["strategy"] for r in recs], rotation=35, ha="right", fontsize=8)

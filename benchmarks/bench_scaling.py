@@ -133,7 +133,11 @@ def main(argv=None) -> dict:
                 per = [r[name][mode] for r in ranks]
                 step = max(x["step_s"] for x in per)  # every rank passes the same barriers: about equal
                 slowest = max(per, key=lambda x: x["step_s"])
-                eff = base_step / step if mode == "weak" else base_w * base_step / (w * step)
+                def efficiency(t):
+                    return base_step / t if mode == "weak" else base_w * base_step / (w * t)
+
+                eff = efficiency(step)
+                eff_range = (efficiency(max(slowest["times_s"])), efficiency(min(slowest["times_s"])))
                 batch = per[0]["batch_per_rank"]
                 peak = max(x["peak_bytes"] for x in per)
                 tokens = w * batch * args.block_size / step
@@ -141,6 +145,7 @@ def main(argv=None) -> dict:
                              tokens, peak / report.MiB])
                 records.append({"scaling": mode, "strategy": name, "world_size": w, "global_batch": w * batch,
                                 "batch_per_rank": batch, "step_s": step, "efficiency": eff, "tokens_per_s": tokens,
+                                "efficiency_range": eff_range,
                                 "peak_bytes": peak, "peak_vs_base": peak / base_peak, "psi_params": psi,
                                 "per_rank": per})
 
@@ -163,11 +168,13 @@ def main(argv=None) -> dict:
         for ax, mode in zip(axes, ("weak", "strong")):
             for name in dict.fromkeys(r["strategy"] for r in records):
                 recs = [r for r in records if r["strategy"] == name and r["scaling"] == mode]
-                ax.plot([r["world_size"] for r in recs], [r["efficiency"] for r in recs], "-o", label=name)
+                ax.errorbar([r["world_size"] for r in recs], [r["efficiency"] for r in recs], fmt="-o", capsize=3,
+                            yerr=[[r["efficiency"] - r["efficiency_range"][0] for r in recs],
+                                  [r["efficiency_range"][1] - r["efficiency"] for r in recs]], label=name)
             ax.axhline(1.0, color="grey", lw=0.8, ls="--")
             ax.set_xlabel("W")
             ax.set_xticks(sorted(results))
-            ax.set_ylabel("efficiency (1 = perfect)")
+            ax.set_ylabel("efficiency (1 = perfect; bars: the W's fastest-slowest step)")
             ax.set_title(f"{mode} scaling", fontsize=10)
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)

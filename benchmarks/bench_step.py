@@ -48,6 +48,7 @@ Table headers (step.md; the writeup copies them):
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -313,9 +314,9 @@ def main(argv=None) -> dict:
                 for r, rk in enumerate(ranks):
                     gz = rk["phases"][ph_i]["exposed"][name].pop("trace_gz", None)
                     if gz is not None and report.is_writer():
-                        folder = traces / phase["interconnect"].replace(" ", "_").replace("/", "_")
+                        folder = traces / re.sub(r"[^A-Za-z0-9.+-]+", "_", phase["interconnect"]).strip("_")
                         folder.mkdir(parents=True, exist_ok=True)
-                        (folder / f"{name.replace(' ', '_').replace('/', '_')}-W{w}-rank{r}.json.gz").write_bytes(gz)
+                        (folder / f"{re.sub(r'[^A-Za-z0-9.+-]+', '_', name).strip('_')}-W{w}-rank{r}.json.gz").write_bytes(gz)
         if ranks[0].get("timelines"):
             timelines[w] = {"interconnect": ranks[0]["phases"][-1]["interconnect"],
                             "ranks": [rk["timelines"] for rk in ranks]}
