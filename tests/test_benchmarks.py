@@ -312,3 +312,20 @@ def test_gpt2_and_train_quick_runs(tmp_path):
     raw = train_gpt.main(["--quick", "--out", str(tmp_path), "--quiet"])
     r0 = raw["results"][0]["ranks"][0]
     assert r0["max_rel_err"] <= 1e-5, (r0["worst_param"], r0["max_rel_err"])
+
+
+# slow: tens of seconds (pytest collecting the NCCL variants, and three tiny FSDP steps in a process of their own)
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    """The one GPU command, dry-run on CPU so it does not rot: it builds its plan, checks every benchmark command's
+    flags, collects the NCCL test variants, runs the memory-snapshot code path, and writes one report."""
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--dry-run", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=580)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert md.startswith("# GPU check (DRY RUN, device cpu") and "all parts ok" in md
+    assert "## nccl tests: ok" in md and "tests collected" in md and "[nccl-1]" in md
+    for part in ("memory", "step"):
+        assert f"## {part}: dry run, not executed (flags checked)" in md
+    assert "## snapshot: ok" in md and "CUDA memory history exists only on a GPU" in md
