@@ -163,7 +163,8 @@ def profile(trainer, rank: int, meter, active: int, trace_path: str | None) -> d
                     t1 = time.perf_counter()
                 if i >= 2:
                     marks.append((t0, t1, n0, len(meter.records)))
-                prof.step()
+                with _quiet_stderr():  # the schedule starts and stops Kineto here, which prints to fd 2
+                    prof.step()
     finally:
         with _quiet_stderr():
             prof.__exit__(None, None, None)
