@@ -169,9 +169,13 @@ def exposed_cell(per_rank: list[dict]) -> str:
     if not got:
         return "n/a (not visible: C++ reducer)"
     fr = [e["exposed_comm_fraction"] for e in got]
+
+    def ms(x: float) -> str:
+        return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
     return (f"{statistics.median(fr):.0%} ({min(fr):.0%}-{max(fr):.0%} over ranks); "
-            f"{statistics.median(e['exposed_comm_ms'] for e in got):.3g} of "
-            f"{statistics.median(e['comm_ms'] for e in got):.3g} ms in flight")
+            f"{ms(statistics.median(e['exposed_comm_ms'] for e in got))} of "
+            f"{ms(statistics.median(e['comm_ms'] for e in got))} ms in flight")
 
 
 def parser() -> argparse.ArgumentParser:

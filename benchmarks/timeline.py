@@ -92,11 +92,14 @@ def draw(data: dict, units: dict, w: int, title: str):
         tl0 = data["ranks"][0][strategy]
         ts = [m[0] * 1e3 for m in tl0["memory"]]
         mx.step(ts, [m[1] / MiB for m in tl0["memory"]], where="post", color="#4C72B0", label="live MiB (rank 0)")
-        mx.step(ts, [m[2] / MiB for m in tl0["memory"]], where="post", color="#C44E52", label="unsharded MiB (rank 0)")
-        mx.set_ylabel("MiB", fontsize=8)
-        right = mx.secondary_yaxis("right", functions=(lambda v: v * MiB / block_bytes, lambda u: u * block_bytes / MiB))
-        right.set_ylabel("unsharded,\nin blocks", fontsize=7)
-        mx.legend(fontsize=7, loc="upper right")
+        mx.set_ylabel("live MiB", fontsize=8, color="#4C72B0")
+        ux = mx.twinx()  # its own scale: how many units are unsharded at once, in blocks' worth
+        ux.step(ts, [m[2] / block_bytes for m in tl0["memory"]], where="post", color="#C44E52",
+                label="unsharded (rank 0), in blocks' worth")
+        ux.set_ylabel("unsharded,\nin blocks", fontsize=7, color="#C44E52")
+        ux.set_ylim(bottom=0)
+        lines = mx.get_legend_handles_labels()[0] + ux.get_legend_handles_labels()[0]
+        mx.legend(lines, [ln.get_label() for ln in lines], fontsize=7, loc="upper right")
         mx.grid(alpha=0.3)
     axes[-1].set_xlabel("ms from the start of the step")
     axes[-1].set_xlim(0, t_max * 1.01)

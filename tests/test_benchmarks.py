@@ -158,7 +158,7 @@ def test_bad_flags_fail_at_once_before_torch_and_lose_nothing(tmp_path):
     assert (tmp_path / "step.md").read_text() == "an earlier result\n"
 
 
-SCRIPTS = {"run_all", "bench_comm", "bench_memory", "bench_step", "bench_scaling", "gpt2_small", "train_gpt"}
+SCRIPTS = {"run_all", "bench_comm", "bench_memory", "bench_step", "bench_scaling", "gpt2_small", "train_gpt", "gpu_check"}
 
 
 def _benchmark_imports(path: Path) -> set[str]:
