@@ -25,7 +25,9 @@ all-reduce is not visible on a CPU: n/a). Each rank's Chrome/Perfetto trace is k
 
 Timeline picture (<out>/step_timeline.png): one more step of "FSDP" and "FSDP + prefetch" (one above the other) on
 the last interconnect, per rank: what the training thread did (computing or waiting on a collective), every
-all-gather and reduce-scatter in flight labelled by its unit, and the live and unsharded memory over the step.
+all-gather and reduce-scatter in flight labelled by its unit, and the live and unsharded memory over the step. On
+GPUs the same step's CUDA memory snapshot is kept too (<out>/step.sweep/traces/memory_snapshot-<strategy>-W<W>-
+rank<r>.pickle, for https://pytorch.org/memory_viz; written, like the whole GPU path, without a GPU to run it on).
 
 Simulated interconnect (CPU): gloo over loopback on a busy CPU is neither a network nor a GPU interconnect, and
 its transfers take CPU time away from compute, so prefetching can hardly overlap anything. With
@@ -321,6 +323,13 @@ def main(argv=None) -> dict:
                         folder = traces / re.sub(r"[^A-Za-z0-9.+-]+", "_", phase["interconnect"]).strip("_")
                         folder.mkdir(parents=True, exist_ok=True)
                         (folder / f"{re.sub(r'[^A-Za-z0-9.+-]+', '_', name).strip('_')}-W{w}-rank{r}.json.gz").write_bytes(gz)
+        for r, rk in enumerate(ranks):  # on GPUs: the CUDA memory snapshot of each timeline step
+            for name, tl in (rk.get("timelines") or {}).items():
+                snap = tl.pop("cuda_snapshot", None)
+                if snap is not None and report.is_writer():
+                    traces.mkdir(parents=True, exist_ok=True)
+                    safe = re.sub(r"[^A-Za-z0-9.+-]+", "_", name).strip("_")
+                    (traces / f"memory_snapshot-{safe}-W{w}-rank{r}.pickle").write_bytes(snap)
         if ranks[0].get("timelines"):
             timelines[w] = {"interconnect": ranks[0]["phases"][-1]["interconnect"],
                             "ranks": [rk["timelines"] for rk in ranks]}

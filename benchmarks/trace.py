@@ -242,6 +242,9 @@ def timeline(trainer, rank: int, meter) -> dict:
 
         clock = UnitClock(trainer.model, label=False, on_event=sample)
         n0 = len(meter.records)
+        cuda = trainer.device.type == "cuda"
+        if cuda:  # and the CUDA allocator's own history of this step (https://pytorch.org/memory_viz)
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
         with clock:
             t0 = time.perf_counter()
             sample()
@@ -249,8 +252,18 @@ def timeline(trainer, rank: int, meter) -> dict:
             sync(trainer.device)
             t1 = time.perf_counter()
             sample()
+    snapshot = None
+    if cuda:
+        path = tempfile.NamedTemporaryFile(suffix=".pickle", delete=False).name
+        try:
+            torch.cuda.memory._dump_snapshot(path)
+            with open(path, "rb") as f:
+                snapshot = f.read()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            os.unlink(path)
     recs = [r for r in meter.records[n0:] if "t_done" in r]
-    return {"t_end": t1 - t0, "phases": {k: v - t0 for k, v in phases.items()},
+    return {"cuda_snapshot": snapshot,"t_end": t1 - t0, "phases": {k: v - t0 for k, v in phases.items()},
             "comm": [{"kind": r["kind"], "payload_bytes": r["payload_bytes"], "issue": r["t_issue"] - t0,
                       "done": r["t_done"] - t0, "blocked": [b - t0 for b in r.get("blocked", (r["t_done"], r["t_done"]))]}
                      for r in recs],

@@ -109,7 +109,6 @@ BAD_FLAGS = [
 CHECK_FLAGS = r"""
 import contextlib, io, json, sys
 from pathlib import Path
-sys.argv[0] = "run_all.py"
 cases, out = json.loads(sys.argv[1]), sys.argv[2]
 from benchmarks import cli
 results = []
@@ -117,6 +116,7 @@ for script, argv, _ in cases:
     if argv == ["--device", "cuda"] and cli.gpu_present()[0]:
         continue
     module = __import__(f"benchmarks.{script}", fromlist=["main"])
+    sys.argv[0] = f"{script}.py"  # argparse names the program from it, as when the script is run
     err = io.StringIO()
     code = None
     with contextlib.redirect_stderr(err):
@@ -152,7 +152,7 @@ def test_bad_flags_fail_at_once_before_torch_and_lose_nothing(tmp_path):
         last = err.strip().splitlines()[-1] if err.strip() else ""
         assert code == 2, (script, argv, code, err)
         assert expected in last and "Traceback" not in err, (script, argv, err)
-        assert last.startswith(("run_all.py" if script == "run_all" else f"{script}.py", "run_all.py")), last
+        assert last.startswith(f"{script}.py"), last  # under the script's own name
     assert got["shapes"] == [[1, 1], [2, 1], [2, 2]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step.md"]
     assert (tmp_path / "step.md").read_text() == "an earlier result\n"
