@@ -291,6 +291,17 @@ def test_run_all_quick_writes_tables_json_and_plots(tmp_path):
         assert raw["quick"] is True
     step = (tmp_path / "step.md").read_text()
     assert "Simulated interconnect" in step and "simulated" in step  # the output says when the link is simulated
+    # the machine the ranks ran on heads every table; the alpha-beta fit is in comm.md
+    for name in HEADERS:
+        assert "\nMachine: 2 rank(s) on 1 host(s)" in (tmp_path / f"{name}.md").read_text(), name
+    assert "| collective | W | interconnect | alpha us | beta GB/s |" in (tmp_path / "comm.md").read_text()
+    # the per-rank profiler traces and the timeline picture are kept
+    traces = sorted(p.name for p in (tmp_path / "step.sweep" / "traces").rglob("*.json.gz"))
+    assert "FSDP-W2-rank0.json.gz" in traces and "FSDP-W2-rank1.json.gz" in traces, traces
+    assert (tmp_path / "step_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    exposed = json.loads((tmp_path / "step.json").read_text())["results"]
+    fsdp = [e for r in exposed if r["strategy"] == "FSDP" for e in r["exposed"]]
+    assert len(fsdp) >= 2 and all(0 <= e["exposed_comm_ms"] <= e["comm_ms"] + 1e-6 for e in fsdp), fsdp
     assert "quick run" in (tmp_path / "summary.md").read_text()
 
 
