@@ -15,6 +15,15 @@ the spread (min-max, n). Bandwidths (from the median) follow nccl-tests:
     busbw = algbw * (W-1)/W     (each rank sends and receives (W-1)/W of the tensor in a ring; busbw is the
                                  number to compare with the link's bandwidth, whatever W is)
 
+The alpha-beta fit (the handout's model of one ring all-gather or reduce-scatter of N bytes, the full tensor, over
+W ranks):
+
+    T(N, W) = (W - 1) * alpha + (W - 1) / W * N / beta
+
+fitted per W and collective by least squares over the measured sizes (the median times): T = a + b N, alpha =
+a / (W-1), beta = (W-1) / (W b). The third table gives alpha, beta and the fit's largest relative error; the plot
+draws the fitted bus bandwidth beside the measured one.
+
 Part 2, bytes per step. One AdamW step of the benchmark GPT under each strategy, with every collective counted
 by benchmarks.comm_meter.CommMeter (bus bytes, as above: payload * (W-1)/W for all-gather and reduce-scatter,
 2 * payload * (W-1)/W for all-reduce). Ψ = parameters x 4 bytes (fp32). The formulas (ZeRO paper, ZeRO-3 =
@@ -47,6 +56,7 @@ default, all-gathers the root once, not twice: (3Ψ - Ψ_root)(W-1)/W.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import sys
 import time
@@ -54,16 +64,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
+from benchmarks import lazy_import  # noqa: E402
+from benchmarks import cli, report, sweep, trainers  # noqa: E402  (none of these imports torch)
 from benchmarks.cli import QUICK_MODEL  # noqa: E402
-from benchmarks import cli, comm_meter, launch, measure, report, sweep, trainers  # noqa: E402
+
+# imported on first use (inside the ranks, or after the flags were checked): see benchmarks/__init__.py
+torch = lazy_import("torch")
+dist = lazy_import("torch.distributed")
+comm_meter, launch, measure = (lazy_import(f"benchmarks.{m}") for m in ("comm_meter", "launch", "measure"))
 
 NAME = "comm"
 # --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
 QUICK = ["--world-sizes", "2", "--max-size", "16KiB", "--budget", "0.01", "--strategies", "FSDP", "DDP (torch)"] + QUICK_MODEL
 HEADERS_COLL = ["collective", "W", "interconnect", "size", "time us", "algbw GB/s", "busbw GB/s"]
+HEADERS_FIT = ["collective", "W", "interconnect", "alpha us", "beta GB/s", "sizes", "max rel. error of the fit"]
 HEADERS_STEP = ["strategy", "W", "all-gather MiB", "reduce-scatter MiB", "all-reduce MiB", "total MiB", "formula",
                 "formula MiB", "counted / formula", "note"]
 STEP_STRATEGIES = ["FSDP", "FSDP no-reshard", "FSDP2 (torch)", "FSDP2 (torch) no-reshard", "DDP (torch)", "HSDP 2x2"]
@@ -77,13 +91,18 @@ def hsdp_formula(R: int, S: int) -> float:
     return 3 * (S - 1) / S + 2 * (R - 1) / (R * S)
 
 
-def parse_size(text: str) -> int:
-    units = {"kib": 1024, "kb": 1024, "k": 1024, "mib": 1024 ** 2, "mb": 1024 ** 2, "m": 1024 ** 2, "b": 1}
-    t = text.strip().lower()
-    for u in sorted(units, key=len, reverse=True):
-        if t.endswith(u):
-            return int(float(t[: -len(u)]) * units[u])
-    return int(t)
+def fit_alpha_beta(sizes: list[float], seconds: list[float], w: int) -> dict:
+    """Least squares of T = a + b N over the sizes; alpha = a / (W-1), beta = (W-1) / (W b) (bytes/s)."""
+    n = len(sizes)
+    mx, my = sum(sizes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    b = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx if sxx else float("nan")
+    a = my - b * mx
+    alpha = a / (w - 1)
+    beta = (w - 1) / (w * b) if b > 0 else float("inf")
+    worst = max(abs(a + b * x - y) / y for x, y in zip(sizes, seconds))
+    return {"alpha_s": alpha, "beta_bytes_per_s": beta, "a_s": a, "b_s_per_byte": b, "max_rel_error": worst,
+            "sizes": n}
 
 
 def human(n: int) -> str:
@@ -163,19 +182,26 @@ def worker(ctx: launch.RankContext, payload: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------------
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """This script's flags (torch-free: run_all.py checks them all before running anything)."""
     p = cli.base_parser(__doc__)
     cli.world_sizes_arg(p, [2, 4])
     cli.add_model_args(p, params=4e6, layers=8, block_size=32, batch=1)
     cli.add_sim_args(p)
-    p.add_argument("--min-size", default="1KiB")
-    p.add_argument("--max-size", default="64MiB")
-    p.add_argument("--budget", type=float, default=0.15, help="seconds of timed collectives per size (at least 3)")
+    p.add_argument("--min-size", type=cli.size_bytes, default="1KiB", help="smallest message (B, KiB, MiB, GiB)")
+    p.add_argument("--max-size", type=cli.size_bytes, default="64MiB", help="largest message (B, KiB, MiB, GiB)")
+    p.add_argument("--budget", type=cli.positive_float, default=0.15, help="seconds of timed collectives per size (at least 3)")
     p.add_argument("--strategies", nargs="*", default=STEP_STRATEGIES, choices=list(FORMULA),
                    help="strategies whose bytes per step are counted (none: skip part 2)")
-    args = cli.parse(p, argv, NAME, QUICK)
-    sizes, s = [], parse_size(args.min_size)
-    while s <= parse_size(args.max_size):
+    return p
+
+
+def main(argv=None) -> dict:
+    args = cli.parse(parser(), argv, NAME, QUICK)
+    if args.min_size > args.max_size:
+        parser().error(f"--min-size {args.min_size} B is larger than --max-size {args.max_size} B")
+    sizes, s = [], args.min_size
+    while s <= args.max_size:
         sizes.append(s)
         s *= 4
     sim_bw = float(args.sim_bandwidth)
@@ -234,13 +260,27 @@ def main(argv=None) -> dict:
                                  "formula": formula_text, "formula_bytes": formula * report.MiB,
                                  "ratio": total / formula, "psi_params": psi, "note": note})
 
+    fits, fit_rows = [], []
+    for w in results:
+        for kind in ("all_gather", "reduce_scatter"):
+            pts = [r for r in coll_records if r["world_size"] == w and r["kind"] == kind]
+            if len(pts) < 2 or w < 2:
+                continue
+            f = fit_alpha_beta([r["size"] for r in pts], [r["seconds"] for r in pts], w)
+            fits.append({"kind": kind, "world_size": w, "interconnect": interconnect, **f})
+            fit_rows.append([kind.replace("_", "-"), w, interconnect, f["alpha_s"] * 1e6, f["beta_bytes_per_s"] / 1e9,
+                             f["sizes"], f"{f['max_rel_error']:.1%}"])
+
     md = (f"Collectives: {interconnect}; time us = median (min-max, n) of repeats, each the slowest rank's mean "
           f"over a batch of calls; algbw and busbw from the median; busbw = size/time x (W-1)/W.\n\n"
           + report.markdown_table(HEADERS_COLL, coll_rows)
           + f"\nBytes per training step (bus bytes per rank, counted), GPT Ψ = {psi:,} params x 4 B = "
           f"{psi * 4 / report.MiB:.2f} MiB:\n\n" + report.markdown_table(HEADERS_STEP, step_rows)
-          + ("\n" + "\n".join(skipped) + "\n" if skipped else ""))
-    raw = {"benchmark": NAME, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": report.environment(),
+          + ("\n" + "\n".join(skipped) + "\n" if skipped else "")
+          + "\nalpha-beta fit of the collectives (the handout's model T(N, W) = (W-1)·alpha + (W-1)/W·N/beta, N = the "
+          "full tensor's bytes; least squares over the sizes above, per W; alpha < 0 means the small sizes are "
+          "dominated by noise):\n\n" + report.markdown_table(HEADERS_FIT, fit_rows))
+    raw = {"benchmark": NAME, "alpha_beta": fits, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": report.environment(),
            "interconnect": interconnect, "collectives": coll_records, "bytes_per_step": step_records, "skipped": skipped}
 
     def plot():
@@ -250,8 +290,20 @@ def main(argv=None) -> dict:
         for w in results:
             for kind, style in (("all_gather", "-o"), ("reduce_scatter", "--s")):
                 pts = [r for r in coll_records if r["world_size"] == w and r["kind"] == kind]
-                ax.plot([r["size"] for r in pts], [r["busbw_gbps"] for r in pts], style, ms=4,
-                        label=f"{kind.replace('_', '-')} W={w}")
+                xs = [r["size"] for r in pts]
+                ys = [r["busbw_gbps"] for r in pts]
+                # error bars: the bus bandwidth at the slowest and the fastest repeat
+                lo = [y - r["size"] / max(r["seconds_repeats"]) / 1e9 * (w - 1) / w for y, r in zip(ys, pts)]
+                hi = [r["size"] / min(r["seconds_repeats"]) / 1e9 * (w - 1) / w - y for y, r in zip(ys, pts)]
+                line = ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, ms=4, capsize=2,
+                                   label=f"{kind.replace('_', '-')} W={w} (min-max over repeats)")
+                f = next((f for f in fits if f["world_size"] == w and f["kind"] == kind), None)
+                if f is not None and f["b_s_per_byte"] > 0:
+                    model = [x / (f["a_s"] + f["b_s_per_byte"] * x) / 1e9 * (w - 1) / w for x in xs]
+                    if all(m > 0 for m in model):
+                        ax.plot(xs, model, ":", color=line[0].get_color(), lw=1,
+                                label=f"alpha-beta fit W={w}: {f['alpha_s'] * 1e6:.0f} us, "
+                                      f"{f['beta_bytes_per_s'] / 1e9:.2g} GB/s")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ticks = sorted({r["size"] for r in coll_records})
@@ -261,7 +313,7 @@ def main(argv=None) -> dict:
         ax.set_ylabel("bus bandwidth (GB/s)")
         ax.set_title(f"Collectives, {interconnect}", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=6)
         labels = [f"{r['strategy']}\nW={r['world_size']}" for r in step_records]
         x = range(len(step_records))
         bottom = [0.0] * len(step_records)
@@ -281,11 +333,9 @@ def main(argv=None) -> dict:
         fig.tight_layout()
         return fig
 
-    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), plot, quiet=args.quiet,
-                         quick=args.quick)
-    sweep.raise_failures(args)
+    sweep.finish(args, NAME, raw, md, plot)
     return raw
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)

@@ -45,6 +45,7 @@ Table header (memory.md; the writeup copies it):
 
 from __future__ import annotations
 
+import argparse
 import gc
 import math
 import sys
@@ -52,11 +53,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-
+from benchmarks import lazy_import  # noqa: E402
+from benchmarks import cli, report, sweep, trainers  # noqa: E402  (none of these imports torch)
 from benchmarks.cli import QUICK_MODEL  # noqa: E402
-from benchmarks import cli, comm_meter, launch, measure, report, sweep, trainers  # noqa: E402
-from fsdp_assignment.support.memory import LiveStorageTracker  # noqa: E402
+
+# imported on first use (inside the ranks, or after the flags were checked): see benchmarks/__init__.py
+torch = lazy_import("torch")
+dist = lazy_import("torch.distributed")
+comm_meter, launch, measure = (lazy_import(f"benchmarks.{m}") for m in ("comm_meter", "launch", "measure"))
 
 NAME = "memory"
 # --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
@@ -71,6 +75,8 @@ CATEGORIES = ["params", "grads", "optim", "unsharded", "activations"]
 # In each rank
 # ---------------------------------------------------------------------------------------------------------
 def worker(ctx: launch.RankContext, payload: dict) -> dict:
+    from fsdp_assignment.support.memory import LiveStorageTracker
+
     cfg = trainers.model_config(payload)
     out = {}
     for name in payload["strategies"]:
@@ -150,13 +156,18 @@ def analytic(name: str, w: int, cfg, activations: float) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------------
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """This script's flags (torch-free: run_all.py checks them all before running anything)."""
     p = cli.base_parser(__doc__)
     cli.world_sizes_arg(p, [1, 2, 4])
     cli.add_model_args(p, params=4e6, layers=8, block_size=32, batch=1)
     p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=list(trainers.STRATEGIES))
-    p.add_argument("--repeat", type=int, default=3, help="measured steps per strategy; the median step is reported")
-    args = cli.parse(p, argv, NAME, QUICK)
+    p.add_argument("--repeat", type=cli.positive_int, default=3, help="measured steps per strategy; the median step is reported")
+    return p
+
+
+def main(argv=None) -> dict:
+    args = cli.parse(parser(), argv, NAME, QUICK)
     cfg = trainers.model_config(args)
     payload = {**trainers.model_payload(args), "strategies": args.strategies, "repeat": args.repeat}
     report.log(f"memory: GPT {trainers.param_count(cfg) / 1e6:.2f}M params ({cfg}), batch {args.batch}x{args.block_size} "
@@ -229,6 +240,11 @@ def main(argv=None) -> dict:
                 vals = [r["breakdown_at_peak"][c] / report.MiB for r in recs]
                 ax.bar(x, vals, bottom=bottom, color=colors[c], label=c if w == ws[0] else None)
                 bottom = [b + v for b, v in zip(bottom, vals)]
+            worst = [r["peak_bytes_all_steps_per_rank"][r["peak_bytes_per_rank"].index(r["peak_bytes"])] for r in recs]
+            ax.errorbar(x, [r["peak_bytes"] / report.MiB for r in recs], fmt="none", ecolor="black", capsize=3,
+                        yerr=[[(r["peak_bytes"] - min(s)) / report.MiB for r, s in zip(recs, worst)],
+                              [(max(s) - r["peak_bytes"]) / report.MiB for r, s in zip(recs, worst)]],
+                        label="peak, min-max over measured steps" if w == ws[0] else None)
             ax.scatter(x, [r["model"]["peak_bytes"] / report.MiB for r in recs], marker="_", s=600, color="black",
                        zorder=3, label="analytic model" if w == ws[0] else None)
             ax.set_xticks(list(x), [r["strategy"] for r in recs], rotation=35, ha="right", fontsize=8)
@@ -241,11 +257,9 @@ def main(argv=None) -> dict:
         fig.tight_layout(rect=(0, 0, 0.88, 0.95))
         return fig
 
-    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), plot, quiet=args.quiet,
-                         quick=args.quick)
-    sweep.raise_failures(args)
+    sweep.finish(args, NAME, raw, md, plot)
     return raw
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)

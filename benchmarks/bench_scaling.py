@@ -33,6 +33,7 @@ Table header (scaling.md; the writeup copies it):
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import sys
@@ -40,7 +41,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import cli, launch, measure, report, sweep, trainers  # noqa: E402
+from benchmarks import lazy_import  # noqa: E402
+from benchmarks import cli, report, sweep, trainers  # noqa: E402  (none of these imports torch)
+
+# imported on first use (inside the ranks): see benchmarks/__init__.py
+launch, measure = lazy_import("benchmarks.launch"), lazy_import("benchmarks.measure")
 
 NAME = "scaling"
 HEADERS = ["scaling", "strategy", "W", "global batch", "batch per rank", "step ms", "efficiency", "tokens/s",
@@ -81,20 +86,25 @@ def worker(ctx: launch.RankContext, payload: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------------
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """This script's flags (torch-free: run_all.py checks them all before running anything)."""
     p = cli.base_parser(__doc__)
     cli.world_sizes_arg(p, [1, 2, 4])
     cli.add_model_args(p, params=4e6, layers=8, block_size=32, batch=4)
-    p.add_argument("--global-batch", type=int, default=None,
+    p.add_argument("--global-batch", type=cli.positive_int, default=None,
                    help="strong scaling's global batch (default --batch x the largest W); every W must divide it")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per strategy and batch (median and spread)")
+    p.add_argument("--steps", type=cli.positive_int, default=3, help="timed steps per strategy and batch (median and spread)")
     p.add_argument("--strategies", nargs="+", default=STRATEGIES,
                    choices=[s for s in trainers.STRATEGIES if s != "one process"])
-    args = cli.parse(p, argv, NAME, QUICK)
+    return p
+
+
+def main(argv=None) -> dict:
+    args = cli.parse(parser(), argv, NAME, QUICK)
     global_batch = args.global_batch or args.batch * max(args.world_sizes)
     bad = [w for w in args.world_sizes if global_batch % w]
     if bad:
-        raise SystemExit(f"--global-batch {global_batch} is not divisible by W = {bad}")
+        parser().error(f"--global-batch {global_batch} is not divisible by W = {bad}")
     cfg = trainers.model_config(args)
     psi = trainers.param_count(cfg)
     report.log(f"scaling: GPT {psi / 1e6:.2f}M params, W in {args.world_sizes}; weak: {args.batch} sequences per "
@@ -123,7 +133,11 @@ def main(argv=None) -> dict:
                 per = [r[name][mode] for r in ranks]
                 step = max(x["step_s"] for x in per)  # every rank passes the same barriers: about equal
                 slowest = max(per, key=lambda x: x["step_s"])
-                eff = base_step / step if mode == "weak" else base_w * base_step / (w * step)
+                def efficiency(t):
+                    return base_step / t if mode == "weak" else base_w * base_step / (w * t)
+
+                eff = efficiency(step)
+                eff_range = (efficiency(max(slowest["times_s"])), efficiency(min(slowest["times_s"])))
                 batch = per[0]["batch_per_rank"]
                 peak = max(x["peak_bytes"] for x in per)
                 tokens = w * batch * args.block_size / step
@@ -131,6 +145,7 @@ def main(argv=None) -> dict:
                              tokens, peak / report.MiB])
                 records.append({"scaling": mode, "strategy": name, "world_size": w, "global_batch": w * batch,
                                 "batch_per_rank": batch, "step_s": step, "efficiency": eff, "tokens_per_s": tokens,
+                                "efficiency_range": eff_range,
                                 "peak_bytes": peak, "peak_vs_base": peak / base_peak, "psi_params": psi,
                                 "per_rank": per})
 
@@ -153,11 +168,13 @@ def main(argv=None) -> dict:
         for ax, mode in zip(axes, ("weak", "strong")):
             for name in dict.fromkeys(r["strategy"] for r in records):
                 recs = [r for r in records if r["strategy"] == name and r["scaling"] == mode]
-                ax.plot([r["world_size"] for r in recs], [r["efficiency"] for r in recs], "-o", label=name)
+                ax.errorbar([r["world_size"] for r in recs], [r["efficiency"] for r in recs], fmt="-o", capsize=3,
+                            yerr=[[r["efficiency"] - r["efficiency_range"][0] for r in recs],
+                                  [r["efficiency_range"][1] - r["efficiency"] for r in recs]], label=name)
             ax.axhline(1.0, color="grey", lw=0.8, ls="--")
             ax.set_xlabel("W")
             ax.set_xticks(sorted(results))
-            ax.set_ylabel("efficiency (1 = perfect)")
+            ax.set_ylabel("efficiency (1 = perfect; bars: the W's fastest-slowest step)")
             ax.set_title(f"{mode} scaling", fontsize=10)
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
@@ -168,11 +185,9 @@ def main(argv=None) -> dict:
         fig.tight_layout()
         return fig
 
-    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), plot, quiet=args.quiet,
-                         quick=args.quick)
-    sweep.raise_failures(args)
+    sweep.finish(args, NAME, raw, md, plot)
     return raw
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)

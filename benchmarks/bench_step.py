@@ -14,10 +14,20 @@ rounds. A ratio (FSDP / FSDP2, prefetch / no prefetch) is computed round by roun
 issue asks: "the median of alternated runs". "one process" runs in its own launch with W=1: it is the time of
 the same per-rank batch with no communication at all.
 
-Exposed communication: after the rounds, each strategy runs 2 more steps under torch.profiler; the fraction is
-the time the training thread was blocked on communication (inside a synchronous collective or waiting for an
-asynchronous one; for DDP, idle inside backward while its reducer waits) over the step time. See
-benchmarks.measure.exposed_comm.
+Exposed communication (the writeup's definition): the time during the step when at least one collective is in
+flight on that rank and no compute op runs on it. After the rounds, each strategy runs under torch.profiler with a
+schedule (1 wait step, 1 warm-up step, --profile-steps recorded steps; every step, phase and FSDP unit labelled);
+per rank, the exposed time is the median over the recorded steps, shown as a fraction of the step with its
+milliseconds and the total communication time beside it; the cell gives the median over ranks and the min-max over
+ranks. See benchmarks/trace.py (how "in flight" and "compute" are read on a CPU and on a GPU; stock DDP's C++
+all-reduce is not visible on a CPU: n/a). Each rank's Chrome/Perfetto trace is kept (gzip) in
+<out>/step.sweep/traces/<interconnect>/<strategy>-W<W>-rank<r>.json.gz: open it at ui.perfetto.dev.
+
+Timeline picture (<out>/step_timeline.png): one more step of "FSDP" and "FSDP + prefetch" (one above the other) on
+the last interconnect, per rank: what the training thread did (computing or waiting on a collective), every
+all-gather and reduce-scatter in flight labelled by its unit, and the live and unsharded memory over the step. On
+GPUs the same step's CUDA memory snapshot is kept too (<out>/step.sweep/traces/memory_snapshot-<strategy>-W<W>-
+rank<r>.pickle, for https://pytorch.org/memory_viz; written, like the whole GPU path, without a GPU to run it on).
 
 Simulated interconnect (CPU): gloo over loopback on a busy CPU is neither a network nor a GPU interconnect, and
 its transfers take CPU time away from compute, so prefetching can hardly overlap anything. With
@@ -29,7 +39,7 @@ each row used, and the log says SIMULATED INTERCONNECT ON.
 
 Memory ratio: FSDP's and FSDP2's per-rank peak of one step (LiveStorageTracker), measured alternately too.
 
-Output: <out>/step.json, step.md (two tables), step.png.
+Output: <out>/step.json, step.md (two tables), step.png, step_timeline.png, the traces (above).
 
 Table headers (step.md; the writeup copies them):
 
@@ -39,16 +49,23 @@ Table headers (step.md; the writeup copies them):
 
 from __future__ import annotations
 
+import argparse
+import re
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
+from benchmarks import lazy_import  # noqa: E402
+from benchmarks import cli, report, sweep, trainers  # noqa: E402  (none of these imports torch)
 from benchmarks.cli import QUICK_MODEL  # noqa: E402
-from benchmarks import cli, comm_meter, launch, measure, report, sweep, trainers  # noqa: E402
+
+# imported on first use (inside the ranks, or after the flags were checked): see benchmarks/__init__.py
+torch = lazy_import("torch")
+dist = lazy_import("torch.distributed")
+comm_meter, launch, measure, trace = (lazy_import(f"benchmarks.{m}")
+                                      for m in ("comm_meter", "launch", "measure", "trace"))
 
 NAME = "step"
 # --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
@@ -129,8 +146,11 @@ def worker(ctx: launch.RankContext, payload: dict) -> dict:
             # stock DDP all-reduces inside its C++ reducer, where the simulated link cannot delay it: real link only
             runs = {n: t for n, t in built.items() if link is None or trainers.STRATEGIES[n][0] != "ddp"}
             times = run_rounds(runs, ctx, payload["rounds"], payload["steps"])
-            exposed = {n: measure.exposed_comm(t, ctx.rank, payload["profile_steps"]) for n, t in runs.items()}
+            exposed = {n: trace.profile(t, ctx.rank, meter, payload["profile_steps"], "keep") for n, t in runs.items()}
             out["phases"].append({"interconnect": label, "times": times, "exposed": exposed})
+            # the timeline picture: one step of FSDP without and with prefetching, on the last interconnect
+            out["timelines"] = {n: trace.timeline(built[n], ctx.rank, meter) for n in ("FSDP", "FSDP + prefetch")
+                                if n in runs}
         meter.link = None
 
         # FSDP vs FSDP2 peak memory, alternately
@@ -145,18 +165,39 @@ def worker(ctx: launch.RankContext, payload: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------------
-def main(argv=None) -> dict:
+def exposed_cell(per_rank: list[dict]) -> str:
+    """The table cell: fraction (median over ranks, min-max over ranks), then ms exposed of ms in flight."""
+    got = [e for e in per_rank if e.get("exposed_comm_fraction") is not None]
+    if not got:
+        return "n/a (not visible: C++ reducer)"
+    fr = [e["exposed_comm_fraction"] for e in got]
+
+    def ms(x: float) -> str:
+        return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+    return (f"{statistics.median(fr):.0%} ({min(fr):.0%}-{max(fr):.0%} over ranks); "
+            f"{ms(statistics.median(e['exposed_comm_ms'] for e in got))} of "
+            f"{ms(statistics.median(e['comm_ms'] for e in got))} ms in flight")
+
+
+def parser() -> argparse.ArgumentParser:
+    """This script's flags (torch-free: run_all.py checks them all before running anything)."""
     p = cli.base_parser(__doc__)
     cli.world_sizes_arg(p, [2])
     cli.add_model_args(p, params=4e6, layers=8, block_size=32, batch=8)
     cli.add_sim_args(p, default_bw="auto")
-    p.add_argument("--rounds", type=int, default=5, help="alternated rounds")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per strategy per round")
-    p.add_argument("--memory-rounds", type=int, default=2, help="alternated peak-memory measurements")
-    p.add_argument("--profile-steps", type=int, default=2, help="profiled steps per strategy (exposed comm)")
+    p.add_argument("--rounds", type=cli.positive_int, default=5, help="alternated rounds")
+    p.add_argument("--steps", type=cli.positive_int, default=2, help="timed steps per strategy per round")
+    p.add_argument("--memory-rounds", type=cli.positive_int, default=2, help="alternated peak-memory measurements")
+    p.add_argument("--profile-steps", type=cli.positive_int, default=4,
+                   help="recorded profiler steps per strategy, after 1 wait and 1 warm-up step (exposed comm)")
     p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=[s for s in trainers.STRATEGIES if s != "one process"])
     p.add_argument("--no-one-process", action="store_true", help="skip the W=1 baseline launch")
-    args = cli.parse(p, argv, NAME, QUICK)
+    return p
+
+
+def main(argv=None) -> dict:
+    args = cli.parse(parser(), argv, NAME, QUICK)
     cfg = trainers.model_config(args)
     real_name = "nccl" if args.device == "cuda" else "gloo (real)"
     payload = {**trainers.model_payload(args), "strategies": args.strategies, "rounds": args.rounds, "steps": args.steps,
@@ -190,13 +231,11 @@ def main(argv=None) -> dict:
             ic = phase["interconnect"]
             for name, per_round in phase["times"].items():
                 step = report.median(per_round)
-                # the exposed fraction: the worst rank's (the one that waited most)
-                fracs = [rk["phases"][r0["phases"].index(phase)]["exposed"][name]["exposed_comm_fraction"] for rk in ranks]
+                exposed = [rk["phases"][r0["phases"].index(phase)]["exposed"][name] for rk in ranks]
                 rows.append([name, w, ic, report.spread(per_round, 1e3), f"{step / one:.2f}x" if one else None,
-                             f"{max(fracs):.0%}",
-                             w * tokens / step])
+                             exposed_cell(exposed), w * tokens / step])
                 records.append({"strategy": name, "world_size": w, "interconnect": ic, "step_s": step,
-                                "per_round_s": per_round, "exposed": [rk["phases"][r0["phases"].index(phase)]["exposed"][name] for rk in ranks],
+                                "per_round_s": per_round, "exposed": exposed,
                                 "vs_one_process": step / one if one else None,
                                 "bus_bytes_per_step": r0.get("bus_bytes_per_step", {}).get(name)})
             for label, num, den, what in RATIOS:
@@ -227,8 +266,11 @@ def main(argv=None) -> dict:
     skipped = sorted({f"- {n} (W={w}): not measured ({msg})" for w, rk in results.items()
                       for n, msg in rk[0].get("skipped", {}).items()})
     methods = sorted({e["method"] for w, rk in results.items() for ph in rk[0]["phases"] for e in ph["exposed"].values()})
-    md += ("step ms: median over rounds (min-max over rounds, n = rounds). exposed comm: the worst rank's share of the "
-           "step spent waiting on communication, measured from the " + "; ".join(methods) + ".\n")
+    md += ("step ms: median over rounds (min-max over rounds, n = rounds). exposed comm: the time during the step when "
+           "at least one collective is in flight on a rank and no compute op runs on it, as a share of the profiled "
+           "step: median over ranks (min-max over ranks) of each rank's median over its profiled steps, then its "
+           "milliseconds and the total communication (in flight) time, median over ranks. Measured from the "
+           + "; ".join(methods) + f". Per-rank traces: {args.out}/step.sweep/traces/.\n")
     if any(ph["interconnect"].startswith("simulated") for rk in results.values() for ph in rk[0]["phases"]):
         md += ("DDP (torch) is stock DistributedDataParallel: its all-reduce runs inside its C++ reducer, which the "
                "simulated link cannot slow down, so it appears under the real interconnect only.\n")
@@ -241,32 +283,67 @@ def main(argv=None) -> dict:
         import matplotlib.pyplot as plt
 
         ics = list(dict.fromkeys(r["interconnect"] for r in records if r["world_size"] > 1))
-        fig, axes = plt.subplots(1, max(1, len(ics)), figsize=(5.5 * max(1, len(ics)), 4.8),
+        fig, axes = plt.subplots(1, max(1, len(ics)), figsize=(5.8 * max(1, len(ics)), 4.8),
                                  squeeze=False, sharey=True)
         for ax, ic in zip(axes[0], ics):
             recs = [r for r in records if r["interconnect"] == ic]
-            x = range(len(recs))
-            total = [r["step_s"] * 1e3 for r in recs]
-            exposed = [r["step_s"] * 1e3 * max(e["exposed_comm_fraction"] for e in r["exposed"]) for r in recs]
-            ax.bar(x, [t - e for t, e in zip(total, exposed)], color="#4C72B0", label="compute + overlapped comm")
-            ax.bar(x, exposed, bottom=[t - e for t, e in zip(total, exposed)], color="#C44E52", label="exposed comm")
+            x = list(range(len(recs)))
+            step = [r["step_s"] * 1e3 for r in recs]
+            lo = [s - min(r["per_round_s"]) * 1e3 for s, r in zip(step, recs)]
+            hi = [max(r["per_round_s"]) * 1e3 - s for s, r in zip(step, recs)]
+            ax.bar([i - 0.27 for i in x], step, 0.27, yerr=[lo, hi], capsize=3, color="#4C72B0",
+                   label="step (timed; min-max over rounds)")
+            for offset, key, color, what in ((0.0, "comm_ms", "#999999", "communication in flight"),
+                                             (0.27, "exposed_comm_ms", "#C44E52", "exposed communication")):
+                vals = [[e[key] for e in r["exposed"] if e.get(key) is not None] for r in recs]
+                mid = [statistics.median(v) if v else 0.0 for v in vals]
+                err = [[m - min(v) if v else 0 for m, v in zip(mid, vals)], [max(v) - m if v else 0 for m, v in zip(mid, vals)]]
+                ax.bar([i + offset for i in x], mid, 0.27, yerr=err, capsize=3, color=color,
+                       label=f"{what} (profiled; min-max over ranks)")
             if one is not None:
                 ax.axhline(one * 1e3, color="black", ls="--", lw=1, label="one process (W=1)")
-            ax.set_xticks(list(x), [f"{r['strategy']}\nW={r['world_size']}" for r in recs], fontsize=8)
-            ax.set_ylabel("step time (ms)")
+            ax.set_xticks(x, [f"{r['strategy']}\nW={r['world_size']}" for r in recs], fontsize=8)
+            ax.set_ylabel("ms per step")
             ax.set_title(ic, fontsize=10)
             ax.grid(axis="y", alpha=0.3)
-        axes[0][0].legend(fontsize=8, loc="lower left", framealpha=0.9)
-        fig.suptitle(f"Step time, GPT {trainers.param_count(cfg) / 1e6:.1f}M params, batch {args.batch}x{args.block_size} "
-                     "per rank (median of alternated rounds)", fontsize=10)
+        axes[0][0].legend(fontsize=7, loc="upper left", framealpha=0.9)
+        fig.suptitle(f"Step time and communication, GPT {trainers.param_count(cfg) / 1e6:.1f}M params, batch "
+                     f"{args.batch}x{args.block_size} per rank", fontsize=10)
         fig.tight_layout()
         return fig
 
-    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), plot, quiet=args.quiet,
-                         quick=args.quick)
-    sweep.raise_failures(args)
+    traces = Path(args.sweep_folder) / "traces"  # kept with the sweep: <out>/step.sweep/traces once complete
+    timelines = {}
+    for w, ranks in results.items():
+        for ph_i, phase in enumerate(ranks[0]["phases"]):
+            for name in phase["exposed"]:
+                for r, rk in enumerate(ranks):
+                    gz = rk["phases"][ph_i]["exposed"][name].pop("trace_gz", None)
+                    if gz is not None and report.is_writer():
+                        folder = traces / re.sub(r"[^A-Za-z0-9.+-]+", "_", phase["interconnect"]).strip("_")
+                        folder.mkdir(parents=True, exist_ok=True)
+                        (folder / f"{re.sub(r'[^A-Za-z0-9.+-]+', '_', name).strip('_')}-W{w}-rank{r}.json.gz").write_bytes(gz)
+        for r, rk in enumerate(ranks):  # on GPUs: the CUDA memory snapshot of each timeline step
+            for name, tl in (rk.get("timelines") or {}).items():
+                snap = tl.pop("cuda_snapshot", None)
+                if snap is not None and report.is_writer():
+                    traces.mkdir(parents=True, exist_ok=True)
+                    safe = re.sub(r"[^A-Za-z0-9.+-]+", "_", name).strip("_")
+                    (traces / f"memory_snapshot-{safe}-W{w}-rank{r}.pickle").write_bytes(snap)
+        if ranks[0].get("timelines"):
+            timelines[w] = {"interconnect": ranks[0]["phases"][-1]["interconnect"],
+                            "ranks": [rk["timelines"] for rk in ranks]}
+    raw["timelines"] = timelines
+    more = {}
+    if timelines:
+        from benchmarks import timeline
+
+        w_max = max(timelines)
+        more["timeline"] = lambda: timeline.draw(timelines[w_max], trainers.unit_param_counts(cfg), w_max,
+                                                 f"GPT {trainers.param_count(cfg) / 1e6:.1f}M params")
+    sweep.finish(args, NAME, raw, md, plot, more_plots=more)
     return raw
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)

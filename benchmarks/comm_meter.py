@@ -51,14 +51,18 @@ class MeteredWork(dist.distributed_c10d.Work):
     """Wraps the Work of an async collective: its wait() is visible to the profiler as ``comm::wait`` and
     lasts until the simulated link has delivered too. Subclasses Work because FSDP2 checks isinstance."""
 
-    def __init__(self, inner, done_at: float, kind: str):
+    def __init__(self, inner, done_at: float, kind: str, record: dict | None = None):
         super().__init__()
-        self._inner, self._done_at, self._kind = inner, done_at, kind
+        self._inner, self._done_at, self._kind, self._record = inner, done_at, kind, record
 
     def wait(self, timeout=None) -> bool:
         with torch.profiler.record_function(f"comm::wait:{self._kind}"):
+            t0 = time.perf_counter()
             ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
             _sleep_until(self._done_at)
+        if self._record is not None and "t_done" not in self._record:  # in flight until first waited for
+            self._record["t_done"] = time.perf_counter()
+            self._record["blocked"] = (t0, self._record["t_done"])
         return ok if ok is not None else True
 
     def is_completed(self) -> bool:
@@ -137,8 +141,10 @@ class CommMeter:
             factor = 2 if kind == "all_reduce" else 1
             bus = factor * payload * (w - 1) / w
             async_op = bool(a.get("async_op", False))
-            meter.records.append({"kind": kind, "payload_bytes": payload, "bus_bytes": bus, "async": async_op,
-                                  "world_size": w, "group_ranks": ranks})
+            record = {"kind": kind, "payload_bytes": payload, "bus_bytes": bus, "async": async_op, "world_size": w,
+                      "group_ranks": ranks,
+                      "t_issue": time.perf_counter()}  # t_done: when it completed (sync) or was waited for (async)
+            meter.records.append(record)
             if meter.on_buffer is not None:
                 meter.on_buffer(kind, full)
             done_at = meter.link.reserve(bus) if meter.link is not None and w > 1 else 0.0
@@ -146,10 +152,12 @@ class CommMeter:
             try:
                 if async_op:
                     work = orig(*args, **kwargs)
-                    return MeteredWork(work, done_at, kind) if work is not None else work
+                    return MeteredWork(work, done_at, kind, record) if work is not None else work
                 with torch.profiler.record_function(f"comm::{kind}"):
                     out = orig(*args, **kwargs)
                     _sleep_until(done_at)
+                record["t_done"] = time.perf_counter()
+                record["blocked"] = (record["t_issue"], record["t_done"])
                 return out
             finally:
                 CommMeter._tls.inside = False

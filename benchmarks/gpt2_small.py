@@ -32,7 +32,11 @@ peak comes from fsdp_assignment/support/memory.py's LiveStorageTracker; on GPU f
 
 Output: <out>/gpt2.json, gpt2.md, gpt2.png.
 
-| W | activation checkpointing | peak MiB | model MiB | model error | 16Ψ/W MiB | units MiB | activations MiB | after forward MiB | init peak MiB | step s |
+| W | activation checkpointing | peak MiB | model MiB | model error | model peak at | states MiB | units MiB | activations MiB | after forward MiB | init peak MiB | step s |
+
+The three model columns add up to "model MiB": they are the terms of the branch of the max that binds ("model peak
+at"): at the start of backward, states = 12·S, units = 4·(U_p + U_g), activations = A; at the end of backward,
+states = 16·S, units = 4·U_end, activations = 0.
 
 "after forward" is what a rank holds when forward ends (12·S + activations + what stays unsharded): where activation
 checkpointing shows. With a small batch per rank the peak itself comes at the end of backward (all gradient shards
@@ -41,6 +45,7 @@ plus the root's full parameters and gradients), where checkpointing changes noth
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import sys
@@ -50,13 +55,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+from benchmarks import lazy_import  # noqa: E402
+from benchmarks import bench_memory, cli, report, sweep  # noqa: E402  (none of these imports torch)
 
-from benchmarks import bench_memory, cli, launch, measure, report, sweep  # noqa: E402
+# imported on first use (inside the ranks, or after the flags were checked): see benchmarks/__init__.py
+torch = lazy_import("torch")
+launch, measure = lazy_import("benchmarks.launch"), lazy_import("benchmarks.measure")
 
 NAME = "gpt2"
-HEADERS = ["W", "activation checkpointing", "peak MiB", "model MiB", "model error", "16Ψ/W MiB", "units MiB",
-           "activations MiB", "after forward MiB", "init peak MiB", "step s"]
+HEADERS = ["W", "activation checkpointing", "peak MiB", "model MiB", "model error", "model peak at", "states MiB",
+           "units MiB", "activations MiB", "after forward MiB", "init peak MiB", "step s"]
 QUICK = ["--layers", "2", "--n-embd", "64", "--n-head", "4", "--vocab", "512", "--positions", "64", "--seq", "16",
          "--steps", "1"]
 
@@ -212,26 +220,38 @@ def model_terms(cfg, w: int, probe: dict, batch: int, seq: int, ac: bool) -> dic
     acts = (cfg.n_layer * kept + a_block + a_root) if ac else (cfg.n_layer * a_block + a_root)
     m = bench_memory.analytic("FSDP", w, cfg, acts)
     m["units_bytes"] = m["unsharded_params_bytes"] + m["unsharded_grads_bytes"]
+    # the terms of the branch of the max that binds: they add up to the model's peak
+    if m["at_backward_start"] >= m["at_backward_end"]:
+        m["binding"], m["terms"] = "start of backward", {"states": 12 * m["S"], "units": m["units_bytes"],
+                                                          "activations": m["activations_bytes"]}
+    else:
+        m["binding"], m["terms"] = "end of backward", {"states": 16 * m["S"], "units": m["end_extra_bytes"],
+                                                        "activations": 0}
     return m
+
+
+def parser() -> argparse.ArgumentParser:
+    """This script's flags (torch-free: run_all.py checks them all before running anything)."""
+    p = cli.base_parser(__doc__)
+    cli.world_sizes_arg(p, [2])
+    g = p.add_argument_group("model: GPT-2 small by default; smaller values reduce it")
+    g.add_argument("--layers", type=cli.positive_int, default=12)
+    g.add_argument("--n-embd", type=cli.positive_int, default=768)
+    g.add_argument("--n-head", type=cli.positive_int, default=12)
+    g.add_argument("--vocab", type=cli.positive_int, default=50257)
+    g.add_argument("--positions", type=cli.positive_int, default=1024, help="the model's context (position embeddings)")
+    g.add_argument("--seq", type=cli.positive_int, default=128, help="tokens per sequence in training (<= --positions)")
+    g.add_argument("--batch", type=cli.positive_int, default=1, help="sequences per rank per step")
+    p.add_argument("--steps", type=cli.positive_int, default=2, help="measured AdamW steps after one warm-up step")
+    p.add_argument("--checkpointing", choices=["both", "off", "on"], default="both")
+    # a 124M-parameter model on a loaded CPU: two modes x (build + 3 steps) can take well over 10 minutes
+    p.set_defaults(timeout=3600)
+    return p
 
 
 def main(argv=None) -> dict:
     t_start = time.perf_counter()
-    p = cli.base_parser(__doc__)
-    cli.world_sizes_arg(p, [2])
-    g = p.add_argument_group("model: GPT-2 small by default; smaller values reduce it")
-    g.add_argument("--layers", type=int, default=12)
-    g.add_argument("--n-embd", type=int, default=768)
-    g.add_argument("--n-head", type=int, default=12)
-    g.add_argument("--vocab", type=int, default=50257)
-    g.add_argument("--positions", type=int, default=1024, help="the model's context (position embeddings)")
-    g.add_argument("--seq", type=int, default=128, help="tokens per sequence in training (<= --positions)")
-    g.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
-    p.add_argument("--steps", type=int, default=2, help="measured AdamW steps after one warm-up step")
-    p.add_argument("--checkpointing", choices=["both", "off", "on"], default="both")
-    # a 124M-parameter model on a loaded CPU: two modes x (build + 3 steps) can take well over 10 minutes
-    p.set_defaults(timeout=3600)
-    args = cli.parse(p, argv, NAME, QUICK)
+    args = cli.parse(parser(), argv, NAME, QUICK)
     modes = {"both": [False, True], "off": [False], "on": [True]}[args.checkpointing]
     payload = {"layers": args.layers, "n_embd": args.n_embd, "n_head": args.n_head, "vocab": args.vocab,
                "positions": args.positions, "seq": min(args.seq, args.positions), "batch": args.batch,
@@ -256,14 +276,16 @@ def main(argv=None) -> dict:
             m = model_terms(cfg, w, ranks[0]["probe"], args.batch, payload["seq"], ac)
             err = peak / m["peak_bytes"] - 1
             step_s = statistics.median(t for r in res for t in r["step_s"])
+            after_forward = [max(r["phases"][i]["after_forward_bytes"] for r in res) for i in range(len(res[0]["phases"]))]
             rows.append([w, "on" if ac else "off", peak / report.MiB, m["peak_bytes"] / report.MiB, f"{err:+.1%}",
-                         m["states_bytes"] / report.MiB, m["units_bytes"] / report.MiB,
-                         m["activations_bytes"] / report.MiB,
-                         max(statistics.median(ph["after_forward_bytes"] for ph in r["phases"]) for r in res) / report.MiB,
+                         m["binding"]] + [m["terms"][k] / report.MiB for k in ("states", "units", "activations")] + [
+                         statistics.median(after_forward) / report.MiB,
                          max(r["init_peak_bytes"] for r in res) / report.MiB,
                          step_s])
+            steps_worst = [max(r["peaks_bytes"][i] for r in res) for i in range(len(res[0]["peaks_bytes"]))]
             records.append({"world_size": w, "checkpointing": ac, "peak_bytes": peak, "model": m, "model_error": err,
-                            "per_rank": res, "step_s": step_s})
+                            "per_rank": res, "step_s": step_s, "peak_bytes_steps": steps_worst,
+                            "after_forward_bytes_steps": after_forward})
     took = time.perf_counter() - t_start
     full_bytes = 4 * psi
     md = (f"GPT-2-small shape: Ψ = {psi:,} params (n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, n_head={cfg.n_head}, "
@@ -279,23 +301,43 @@ def main(argv=None) -> dict:
     def plot():
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(8, 4.4))
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.4))
         labels = [f"W={r['world_size']}\nAC {'on' if r['checkpointing'] else 'off'}" for r in records]
-        xs = range(len(records))
-        ax.bar([x - 0.2 for x in xs], [r["peak_bytes"] / report.MiB for r in records], 0.4, label="measured peak")
-        ax.bar([x + 0.2 for x in xs], [r["model"]["peak_bytes"] / report.MiB for r in records], 0.4, label="model")
-        ax.set_xticks(list(xs), labels)
+        xs = list(range(len(records)))
+
+        def spread(vals):  # median and its min-max error bar, MiB
+            mid = statistics.median(vals)
+            return mid / report.MiB, [(mid - min(vals)) / report.MiB, (max(vals) - mid) / report.MiB]
+
+        peaks = [spread(r["peak_bytes_steps"]) for r in records]
+        ax.bar([x - 0.2 for x in xs], [p[0] for p in peaks], 0.4, yerr=list(zip(*[p[1] for p in peaks])),
+               capsize=3, label="measured peak (min-max over steps)")
+        bottom = [0.0] * len(records)
+        for key, color in (("states", "#55A868"), ("units", "#C44E52"), ("activations", "#8172B3")):
+            vals = [r["model"]["terms"][key] / report.MiB for r in records]
+            ax.bar([x + 0.2 for x in xs], vals, 0.4, bottom=bottom, color=color, label=f"model: {key}")
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(xs, labels)
         ax.set_ylabel("MiB per rank")
-        ax.set_title(f"GPT-2-small shape ({psi / 1e6:.0f}M params): per-rank peak", fontsize=10)
-        ax.legend(fontsize=8)
+        ax.set_title("Peak: measured vs the model's terms (they add up)", fontsize=10)
+        ax.legend(fontsize=7)
+        after = [spread(r["after_forward_bytes_steps"]) for r in records]
+        bx.bar([x - 0.2 for x in xs], [a[0] for a in after], 0.4, yerr=list(zip(*[a[1] for a in after])), capsize=3,
+               color="#4C72B0", label="held when forward ends, measured (min-max over steps)")
+        bx.bar([x + 0.2 for x in xs], [r["model"]["activations_bytes"] / report.MiB for r in records], 0.4,
+               color="#8172B3", label="activations kept for backward (model's A)")
+        bx.set_xticks(xs, labels)
+        bx.set_ylabel("MiB per rank")
+        bx.set_title("What activation checkpointing changes", fontsize=10)
+        bx.legend(fontsize=7)
+        fig.suptitle(f"GPT-2-small shape ({psi / 1e6:.0f}M params), batch {args.batch}x{payload['seq']} per rank",
+                     fontsize=10)
         fig.tight_layout()
         return fig
 
-    report.write_outputs(args.out, NAME, raw, md + sweep.failures_note(args), plot, quiet=args.quiet,
-                         quick=args.quick)
-    sweep.raise_failures(args)
+    sweep.finish(args, NAME, raw, md, plot)
     return raw
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)

@@ -9,7 +9,8 @@
     slurm     submitit jobs, one or more nodes each (benchmarks/slurm_launch.py).
 
 Every launcher ends in ``run_rank``: pick the device from the LOCAL rank (GPU i of this node), initialise the
-process group, call the worker ``fn(ctx, payload)``, and return its dict.
+process group, call the worker ``fn(ctx, payload)``, and return its dict with the machine the rank ran on
+({"result": ..., "machine": ...}; benchmarks/sweep.py separates them).
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ def run_rank(target: str, rank: int, world_size: int, local_rank: int, local_wor
     ctx = RankContext(rank, world_size, device, backend, settings, local_rank)
     result = fn(ctx, payload)
     dist.barrier()
-    return result
+    from benchmarks import machine
+
+    return {"result": result, "machine": machine.describe(device)}
 def _local_rank_entry(target, rank, world_size, store_path, payload, settings, result_path):
     try:
         result = run_rank(target, rank, world_size, rank, world_size, {"store_path": store_path}, payload, settings)

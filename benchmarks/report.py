@@ -14,8 +14,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `adapters` and `fsdp_assignment` live at the repo root
     sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
+# no torch here: the scripts check their flags before anything imports it (benchmarks/__init__.py)
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results"
 MiB = 1024 * 1024
@@ -52,29 +51,45 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def write_outputs(out_dir: Path, name: str, raw: dict, markdown: str, plot: Callable[[], Any] | None, *,
-                  quiet: bool = False, quick: bool = False) -> dict:
-    """<out>/<name>.json (everything measured, plus how), <name>.md (the table, also printed), <name>.png (the
-    figure ``plot()`` returns). A ``quick`` run's table starts by saying so, and its JSON records it."""
+                  quiet: bool = False, quick: bool = False, suffix: str = "",
+                  more_plots: dict[str, Callable[[], Any]] | None = None) -> dict:
+    """<out>/<name><suffix>.json (everything measured, plus how), .md (the table, also printed), .png (the figure
+    ``plot()`` returns). A ``quick`` run's table starts by saying so, and its JSON records it.
+
+    Every file is written to a temporary name first and renamed only once all of them were made: a run that fails
+    or is interrupted while writing (the plot raising, Ctrl-C) leaves the previous files as they were."""
     out_dir = Path(out_dir)
     if quick:
         markdown = QUICK_NOTE + markdown
         raw = {**raw, "quick": True}
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / f"{name}.json", "md": out_dir / f"{name}.md", "png": out_dir / f"{name}.png"}
-    paths["json"].write_text(json.dumps(raw, indent=2, default=str) + "\n")
-    paths["md"].write_text(markdown)
+    paths = {"json": out_dir / f"{name}{suffix}.json", "md": out_dir / f"{name}{suffix}.md"}
     if plot is not None:
-        import matplotlib
+        paths["png"] = out_dir / f"{name}{suffix}.png"
+    figures = {"png": plot} if plot is not None else {}
+    for key, more in (more_plots or {}).items():  # more figures: <name>_<key><suffix>.png
+        paths[key] = out_dir / f"{name}_{key}{suffix}.png"
+        figures[key] = more
+    tmp = {k: v.with_name(f".{v.name}.{os.getpid()}.tmp") for k, v in paths.items()}
+    try:
+        tmp["json"].write_text(json.dumps(raw, indent=2, default=str) + "\n")
+        tmp["md"].write_text(markdown)
+        if figures:
+            import matplotlib
 
-        matplotlib.use("Agg")  # no display on clusters and CI
-        import matplotlib.pyplot as plt
+            matplotlib.use("Agg")  # no display on clusters and CI
+            import matplotlib.pyplot as plt
 
-        fig = plot()
-        fig.savefig(paths["png"], dpi=110)
-        plt.close(fig)
+            for key, make in figures.items():
+                fig = make()
+                fig.savefig(tmp[key], dpi=110, format="png")
+                plt.close(fig)
+        for k in paths:
+            tmp[k].replace(paths[k])
+    finally:
+        for t in tmp.values():
+            t.unlink(missing_ok=True)
     print(markdown)
-    if plot is None:
-        del paths["png"]
     log("wrote " + ", ".join(str(v) for v in paths.values()), quiet=quiet)
     return {k: str(v) for k, v in paths.items()}
 
@@ -82,6 +97,8 @@ def write_outputs(out_dir: Path, name: str, raw: dict, markdown: str, plot: Call
 def environment() -> dict:
     """What the numbers depend on, stored in every JSON."""
     import platform
+
+    import torch
 
     return {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
             "cpus": os.cpu_count(), "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,

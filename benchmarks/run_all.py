@@ -3,11 +3,16 @@
     python benchmarks/run_all.py                             # defaults: all four, CPU, about 4 minutes on 2 cores
     python benchmarks/run_all.py --only memory step
     python benchmarks/run_all.py --quick                     # tiny sizes, W=2 only: a smoke run (~1 min)
-    python benchmarks/run_all.py --launcher slurm --slurm-config benchmarks/slurm/cluster.toml --device cuda
+    python benchmarks/run_all.py --launcher slurm --slurm-config benchmarks/slurm/cluster.toml --device cuda \\
+        --slurm-nodes 2 --world-sizes 8 16                   # 8 = 2 nodes x 4 GPUs; the W=1 baselines: 1 task
     torchrun --nproc-per-node=2 benchmarks/run_all.py        # each benchmark runs its W=2 cases only
 
-Flags other than --only/--quick are passed to every benchmark (so use the shared ones: --out, --launcher,
---device, --threads, --sim-*, --slurm-*; see `python benchmarks/bench_memory.py --help`).
+Every other flag goes to the benchmarks that have it (--out, --launcher, --device, --world-sizes, --slurm-* go to
+all of them; --sim-bandwidth only to comm and step; see each script's --help). A flag that none of the chosen
+benchmarks knows, or a value one of them refuses, stops run_all before anything runs, under its own name.
+
+A benchmark that fails (a launch failed, SLURM refused a request) does not stop the others: its tables of what
+finished are written (<name>.incomplete.*, see benchmarks/sweep.py), and run_all exits with an error at the end.
 
 Output: <out>/{memory,comm,step,scaling}.{json,md,png} and <out>/summary.md (all the tables, with the wall time of
 each benchmark).
@@ -23,14 +28,41 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_comm, bench_memory, bench_scaling, bench_step, gpt2_small  # noqa: E402
-from benchmarks import report  # noqa: E402
+from benchmarks import cli, report, sweep  # noqa: E402
 
 BENCHMARKS = {"memory": bench_memory, "comm": bench_comm, "step": bench_step, "scaling": bench_scaling,
               "gpt2": gpt2_small}
 DEFAULT = ["memory", "comm", "step", "scaling"]  # gpt2 (minutes on a CPU) only when asked: --only gpt2
 
+
+def split_flags(rest: list[str]) -> list[list[str]]:
+    """['--a', '1', '2', '--b'] -> [['--a', '1', '2'], ['--b']]: each flag with its values."""
+    groups: list[list[str]] = []
+    for token in rest:
+        if token.startswith("--") or not groups:
+            groups.append([token])
+        else:
+            groups[-1].append(token)
+    return groups
+
+
+def route(p: argparse.ArgumentParser, names: list[str], rest: list[str]) -> dict[str, list[str]]:
+    """Each benchmark's share of the flags: those its parser has. A flag no chosen benchmark has is an error."""
+    known = {name: BENCHMARKS[name].parser()._option_string_actions for name in names}
+    per: dict[str, list[str]] = {name: [] for name in names}
+    for group in split_flags(rest):
+        flag = group[0].split("=", 1)[0]
+        takers = [name for name in names if flag in known[name]]
+        if not takers:
+            p.error(f"unrecognized argument {group[0]!r}: none of {', '.join(names)} has it "
+                    f"(see `python benchmarks/bench_step.py --help`)")
+        for name in takers:
+            per[name] += group
+    return per
+
+
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="run_all.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=DEFAULT)
     p.add_argument("--quick", action="store_true",
                    help="each benchmark's tiny preset: a smoke run, written to <out>/quick/ and labelled 'quick'")
@@ -38,26 +70,42 @@ def main(argv=None) -> dict:
     args, rest = p.parse_known_args(argv)
     if args.out is None:  # a quick run never lands where the real tables are
         args.out = report.DEFAULT_OUT / "quick" if args.quick else report.DEFAULT_OUT
+    per = route(p, args.only, rest)
+    argvs = {name: (["--quick"] if args.quick else []) + ["--out", str(args.out)] + per[name] for name in args.only}
+    for name in args.only:  # every benchmark's flags are checked before the first one runs (and before torch)
+        bench = BENCHMARKS[name]
+        sub = bench.parser()
+        sub.prog = f"{p.prog} ({name})"  # its errors come under run_all's name
+        cli.parse(sub, argvs[name], bench.NAME, bench.QUICK)
     t_all = time.perf_counter()
-    sections, timings = [], {}
+    sections, timings, failed = [], {}, {}
     for name in args.only:
         bench = BENCHMARKS[name]
         report.log(f"==== {name} ====")
         t0 = time.perf_counter()
-        bench.main((["--quick"] if args.quick else []) + ["--out", str(args.out)] + rest)
+        try:
+            bench.main(argvs[name])
+        except sweep.SweepFailed as exc:  # its tables of what finished are written; the others still run
+            failed[name] = str(exc)
+            report.log(f"{name} FAILED (going on with the others): {str(exc).splitlines()[0]}", quiet=False)
         timings[name] = time.perf_counter() - t0
-        md = Path(args.out) / f"{name}.md"
+        md = Path(args.out) / (f"{name}.incomplete.md" if name in failed else f"{name}.md")
         if report.is_writer() and md.exists():
-            sections.append(f"## {name} ({timings[name]:.0f} s)\n\n{md.read_text()}")
+            sections.append(f"## {name} ({timings[name]:.0f} s){' INCOMPLETE' if name in failed else ''}\n\n"
+                            f"{md.read_text()}")
     total = time.perf_counter() - t_all
     if report.is_writer():
         summary = (f"# Benchmarks{' (quick run, --quick: sizes too small to mean anything)' if args.quick else ''}\n\n"
-                   f"Total {total:.0f} s; {report.environment()}\n\n" + "\n".join(sections))
-        (Path(args.out) / "summary.md").write_text(summary)
+                   f"Total {total:.0f} s; driver: {report.environment()}\n\n" + "\n".join(sections))
+        name = "summary.incomplete.md" if failed else "summary.md"
+        (Path(args.out) / name).write_text(summary)
         report.log(f"all done in {total:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
-              + f"; summary in {Path(args.out) / 'summary.md'}")
+                   + f"; summary in {Path(args.out) / name}")
+    if failed:
+        raise sweep.SweepFailed(f"{len(failed)} benchmark(s) failed: {', '.join(failed)}\n"
+                                + "\n".join(failed.values()))
     return {"seconds": total, "per_benchmark_s": timings}
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_script(main)

@@ -22,9 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cli
-from benchmarks.launch import run_rank
 from benchmarks.report import ROOT, log
+
+# cluster.toml keys (also the flags, with "slurm-" in front); "additional" is a table of raw sbatch options
+SLURM_KEYS = {"partition": str, "time-min": int, "account": str, "qos": str, "constraint": str, "mem": str,
+              "exclusive": bool, "nodes": int, "tasks-per-node": int, "gpus-per-node": int, "cpus-per-task": int,
+              "folder": Path, "additional": dict}
 
 # Pending reasons that no amount of waiting fixes: the request exceeds what the partition, the QOS or the
 # association allows, or names something that does not exist. (Resources, Priority, ReqNodeNotAvail... are
@@ -41,8 +44,33 @@ class NeverRuns(RuntimeError):
     """SLURM will never start this request as asked."""
 
 
+def owner() -> str:
+    """Who submits: FSDP_SLURM_OWNER, or this checkout's path. Every job carries it as its comment, so that
+    benchmarks/slurm/slurm_down.sh (same rule) cancels only the jobs of the checkout that calls it."""
+    return os.environ.get("FSDP_SLURM_OWNER") or str(ROOT)
+
+
+def additional_params(items: list[str]) -> dict:
+    """--slurm-additional KEY=VALUE items -> submitit's slurm_additional_parameters ({key: value}; a bare KEY is a
+    flag: {key: True})."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        out[key.strip().lstrip("-").replace("-", "_")] = value if sep else True
+    return out
+
+
+def slurm_settings(args: argparse.Namespace) -> dict:
+    """The SLURM part of the flags, as plain data (recorded in the sweep's manifest)."""
+    return {k.replace("-", "_"): getattr(args, "slurm_" + k.replace("-", "_"), None) for k in SLURM_KEYS} | {
+        "additional": additional_params(getattr(args, "slurm_additional", None) or [])}
+
+
 def job_shape(args: argparse.Namespace, world_size: int) -> tuple[int, int]:
-    """(nodes, tasks per node) for W ranks, from --slurm-nodes / --slurm-tasks-per-node."""
+    """(nodes, tasks per node) for W ranks, from --slurm-nodes / --slurm-tasks-per-node. W=1 (the one-process
+    baselines, which need no network) is always one task on one node, whatever shape the other W ask for."""
+    if world_size == 1:
+        return 1, 1
     nodes, per_node = args.slurm_nodes, args.slurm_tasks_per_node
     if nodes and per_node:
         if nodes * per_node != world_size:
@@ -63,7 +91,7 @@ def executor_for(args: argparse.Namespace, world_size: int, folder: Path, name: 
     """A submitit executor for one W: the job's shape, resources and the cluster's own options."""
     import submitit
 
-    s = cli.slurm_settings(args)
+    s = slurm_settings(args)
     nodes, per_node = job_shape(args, world_size)
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
     # GPUs are requested only with --device cuda (or when asked for): one per task on each node by default
@@ -81,8 +109,10 @@ def executor_for(args: argparse.Namespace, world_size: int, folder: Path, name: 
         params["slurm_mem"] = s["mem"]
     if s["exclusive"]:
         params["slurm_exclusive"] = True
-    if s["additional"]:
-        params["slurm_additional_parameters"] = s["additional"]
+    # the owner's mark (slurm_down.sh cancels only its caller's jobs); a comment the user gave is kept in front
+    extra = dict(s["additional"] or {})
+    extra["comment"] = (f"{extra['comment']} " if extra.get("comment") not in (None, True) else "") + f"fsdp-owner={owner()}"
+    params["slurm_additional_parameters"] = extra
     executor.update_parameters(**params)
     return executor, params
 
@@ -90,6 +120,8 @@ def executor_for(args: argparse.Namespace, world_size: int, folder: Path, name: 
 def slurm_task(target: str, payload: Any, settings: dict) -> Any:
     """Runs as one SLURM task (one rank) of a submitit job: TCP rendezvous at the first node of the job."""
     from submitit.helpers import TorchDistributedEnvironment
+
+    from benchmarks.launch import run_rank
 
     # overwrite: a job launched from inside another job (or from a torchrun shell) must not inherit its MASTER_*;
     # CUDA_VISIBLE_DEVICES is left alone: the rank picks GPU <local rank> of the node itself
@@ -132,58 +164,75 @@ def hint() -> str:
             "--slurm-gpus-per-node, --slurm-partition, --slurm-constraint, --slurm-mem (or benchmarks/slurm/cluster.toml).")
 
 
-def state_of(job_id: str) -> tuple[str, str]:
-    """(state, reason) from squeue; ("", "") once the job has left the queue (finished)."""
+def states_of(job_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """{job id: (state, reason)} from one squeue call; a job that has left the queue (finished) is absent."""
+    if not job_ids:
+        return {}
     try:
-        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%r"], capture_output=True, text=True,
-                             timeout=30).stdout.strip()
+        out = subprocess.run(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%r"], capture_output=True,
+                             text=True, timeout=30).stdout
     except subprocess.TimeoutExpired:
-        return "UNKNOWN", "squeue did not answer"
-    if not out:
-        return "", ""
-    state, _, reason = out.splitlines()[0].partition("|")
-    return state.strip(), reason.strip()
+        return {j: ("UNKNOWN", "squeue did not answer") for j in job_ids}
+    found = {}
+    for line in out.splitlines():
+        job_id, _, rest = line.strip().partition("|")
+        state, _, reason = rest.partition("|")
+        found[job_id.split("_")[0]] = (state.strip(), reason.strip())
+    return found
 
 
 def cancel(job_id: str) -> None:
     subprocess.run(["scancel", str(job_id)], capture_output=True, timeout=30)
 
 
-def wait(job, world_size: int, settings: dict, queue_timeout: float, quiet: bool) -> list:
-    """Wait for one submitted job and return every rank's result (rank order).
-
-    The run timeout (settings["timeout"]) counts from the first time the job is seen RUNNING; a job that is still
-    pending after ``queue_timeout`` is left in the queue (not cancelled) and TimeoutError says how to collect it.
-    """
-    job_id = str(job.job_id)
+def wait_all(jobs: dict, settings: dict, queue_timeout: float, quiet: bool, on_done, on_fail) -> None:
+    """Wait for every submitted job at once: ``jobs`` = {key: (submitit job, W)}. The state of all of them is
+    polled together (one squeue call), so a job that can never start is noticed within a second of being queued,
+    whatever runs before it. For each job, exactly one of
+      on_done(key, every rank's result)           it finished and its results came back
+      on_fail(key, why)                           it failed, ran past --timeout (cancelled), can never start
+                                                  (cancelled, SLURM's reason and what the cluster offers), or is
+                                                  still pending after ``queue_timeout`` (NOT cancelled: --collect)
+    The run timeout (settings["timeout"]) counts from the first time the job is seen RUNNING."""
     t_submit = time.monotonic()
-    t_run = None
-    last = None
-    while True:
-        state, reason = state_of(job_id)
-        if (state, reason) != last and state:
-            log(f"SLURM job {job_id} (W={world_size}): {state}" + (f" (reason: {reason})" if reason and reason != "None" else ""),
-                quiet=quiet)
-            last = (state, reason)
-        if state == "" or state in FINISHED:
-            break
-        if state == "PENDING":
-            if reason in NEVER:
-                cancel(job_id)  # ours, and it can never start
-                raise NeverRuns(f"SLURM job {job_id} (W={world_size}) can never start: Reason={reason}. Cancelled.\n"
-                                f"{hint()}")
-            if time.monotonic() - t_submit > queue_timeout:
-                raise TimeoutError(f"SLURM job {job_id} (W={world_size}) still pending after {queue_timeout:.0f} s "
-                                   f"(reason: {reason}); NOT cancelled: it runs when SLURM starts it, and --collect "
-                                   f"gathers its results afterwards")
-        else:  # RUNNING, CONFIGURING, COMPLETING...: the run clock starts now
-            t_run = t_run or time.monotonic()
-            if time.monotonic() - t_run > settings.get("timeout", 600):
-                cancel(job_id)
-                raise TimeoutError(f"SLURM job {job_id} (W={world_size}) ran longer than --timeout "
-                                   f"{settings.get('timeout')} s; cancelled (logs in {job.paths.folder})")
-        time.sleep(0.5)
-    return job.results()
+    started: dict[str, float] = {}
+    last: dict[str, tuple[str, str]] = {}
+    left = dict(jobs)
+    while left:
+        states = states_of([str(job.job_id) for job, _ in left.values()])
+        for key, (job, w) in list(left.items()):
+            job_id = str(job.job_id)
+            state, reason = states.get(job_id, ("", ""))
+            if state and (state, reason) != last.get(key):
+                log(f"SLURM job {job_id} (W={w}): {state}"
+                    + (f" (reason: {reason})" if reason and reason != "None" else ""), quiet=quiet)
+                last[key] = (state, reason)
+            why = None
+            if state == "" or state in FINISHED:
+                del left[key]
+                try:
+                    on_done(key, job.results())
+                except Exception as exc:  # noqa: BLE001 - a failed rank: reported with the tables
+                    on_fail(key, f"SLURM job {job_id}: {type(exc).__name__}: {exc}")
+                continue
+            if state == "PENDING":
+                if reason in NEVER:
+                    cancel(job_id)  # ours, and it can never start
+                    why = f"SLURM job {job_id} (W={w}) can never start: Reason={reason}. Cancelled.\n{hint()}"
+                elif time.monotonic() - t_submit > queue_timeout:
+                    why = (f"SLURM job {job_id} (W={w}) still pending after {queue_timeout:.0f} s (reason: {reason}); "
+                           f"NOT cancelled: it runs when SLURM starts it, and --collect gathers its results afterwards")
+            elif state != "UNKNOWN":  # RUNNING, CONFIGURING, COMPLETING...: the run clock starts now
+                started.setdefault(key, time.monotonic())
+                if time.monotonic() - started[key] > settings.get("timeout", 600):
+                    cancel(job_id)
+                    why = (f"SLURM job {job_id} (W={w}) ran longer than --timeout {settings.get('timeout')} s; "
+                           f"cancelled (logs in {job.paths.folder})")
+            if why is not None:
+                del left[key]
+                on_fail(key, why)
+        if left:
+            time.sleep(0.5)
 
 
 def job_from_record(folder: Path, job_id: str, world_size: int):

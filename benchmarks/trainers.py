@@ -9,12 +9,14 @@ import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-import torch.distributed as dist
+from benchmarks import lazy_import
 
-from benchmarks.comm_meter import CommMeter, ddp_comm_hook
+# imported on first use: the scripts read STRATEGIES (their flags' choices) before torch is imported
+torch = lazy_import("torch")
+dist = lazy_import("torch.distributed")
 
 if TYPE_CHECKING:
+    from benchmarks.comm_meter import CommMeter
     from benchmarks.launch import RankContext
 
 
@@ -103,6 +105,8 @@ def build_trainer(name: str, cfg, batch: int, device: torch.device, meter: CommM
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
         if count_ddp and meter is not None:
+            from benchmarks.comm_meter import ddp_comm_hook
+
             model.register_comm_hook(None, ddp_comm_hook(meter))
     elif family == "fsdp":
         import adapters

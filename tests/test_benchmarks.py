@@ -2,12 +2,20 @@
 
 The benchmark tests run each script end to end at a tiny size with W=2 (gloo, local spawn) and check that the
 raw JSON, the markdown table and the PNG plot were written. They say nothing about the numbers themselves:
-those depend on the machine. The tracker tests check exact byte counts on hand-made allocations.
+those depend on the machine. The tracker tests check exact byte counts on hand-made allocations. The tooling tests
+check that bad flags fail at once, before torch is imported, with one line (one subprocess, no torch: about a
+second), that no module below the CLI imports it, and that a failed rerun keeps the earlier results (two W=1
+launches: a few seconds).
 """
 
 from __future__ import annotations
 
+import ast
 import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +86,165 @@ def test_tracker_labels_and_peak_breakdown():
         assert mem.bytes_by_label()["grads"] == 40000
 
 
+# ---- the tooling: flags checked before torch, no import circle, nothing lost -----------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+# (script, argv, what the one-line error must say). Each must exit with status 2 before torch is imported.
+BAD_FLAGS = [
+    ("bench_memory", ["--world-sizes", "0"], "argument --world-sizes: 0 is not >= 1"),
+    ("bench_comm", ["--max-size", "64XB"], "argument --max-size: '64XB' is not a size"),
+    ("bench_comm", ["--min-size", "1MiB", "--max-size", "1KiB"], "--min-size 1048576 B is larger than --max-size"),
+    ("bench_step", ["--sim-bandwidth", "fast"], "'fast' is neither a bandwidth in GB/s"),
+    ("bench_step", ["--sim-bandwidth", "abc"], "'abc' is neither a bandwidth in GB/s"),
+    ("bench_step", ["--sim-bandwidth", "-1"], "-1 GB/s is negative"),
+    ("bench_scaling", ["--global-batch", "3", "--world-sizes", "1", "2"], "--global-batch 3 is not divisible by W"),
+    ("bench_comm", ["--launcher", "slurm", "--slurm-nodes", "2", "--world-sizes", "2", "3"],
+     "W=3 cannot be split evenly over 2 node(s)"),
+    ("train_gpt", ["--slurm-config", "/nonexistent.toml", "--launcher", "slurm"], "--slurm-config /nonexistent.toml"),
+    ("run_all", ["--bogus", "1"], "unrecognized argument '--bogus'"),
+    ("run_all", ["--world-sizes", "2", "0"], "run_all.py (memory): error: argument --world-sizes: 0 is not >= 1"),
+    ("run_all", ["--only", "memory", "--sim-bandwidth", "1"], "unrecognized argument '--sim-bandwidth'"),
+]
+
+CHECK_FLAGS = r"""
+import contextlib, io, json, sys
+from pathlib import Path
+cases, out = json.loads(sys.argv[1]), sys.argv[2]
+from benchmarks import cli
+results = []
+for script, argv, _ in cases:
+    if argv == ["--device", "cuda"] and cli.gpu_present()[0]:
+        continue
+    module = __import__(f"benchmarks.{script}", fromlist=["main"])
+    sys.argv[0] = f"{script}.py"  # argparse names the program from it, as when the script is run
+    err = io.StringIO()
+    code = None
+    with contextlib.redirect_stderr(err):
+        try:
+            module.main(argv + ["--out", out])
+        except SystemExit as exc:
+            code = exc.code
+    results.append([script, argv, code, err.getvalue()])
+# the W=1 baselines run on one node x one task whatever --slurm-nodes says: accepted
+from benchmarks import bench_memory, slurm_launch
+args = cli.parse(bench_memory.parser(), ["--launcher", "slurm", "--slurm-nodes", "2", "--world-sizes", "2", "4"],
+                 "memory")
+shapes = [slurm_launch.job_shape(args, w) for w in (1, 2, 4)]
+print(json.dumps({"results": results, "shapes": shapes, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_bad_flags_fail_at_once_before_torch_and_lose_nothing(tmp_path):
+    """Each bad flag (and --device cuda on a machine without a GPU) ends in argparse's one-line error under the
+    script's own name, exit status 2, before torch is imported, and the results already in --out are untouched."""
+    (tmp_path / "step.md").write_text("an earlier result\n")
+    cases = BAD_FLAGS + [("bench_step", ["--device", "cuda"], "--device cuda but this machine has no GPU")]
+    proc = subprocess.run([sys.executable, "-c", CHECK_FLAGS, json.dumps(cases), str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert not got["torch"], "a bad flag was answered only after torch was imported"
+    said = {(script, tuple(argv)): (code, err) for script, argv, code, err in got["results"]}
+    for script, argv, expected in cases:
+        if (script, tuple(argv)) not in said:  # --device cuda where there is a GPU
+            continue
+        code, err = said[(script, tuple(argv))]
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        assert code == 2, (script, argv, code, err)
+        assert expected in last and "Traceback" not in err, (script, argv, err)
+        assert last.startswith(f"{script}.py"), last  # under the script's own name
+    assert got["shapes"] == [[1, 1], [2, 1], [2, 2]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step.md"]
+    assert (tmp_path / "step.md").read_text() == "an earlier result\n"
+
+
+SCRIPTS = {"run_all", "bench_comm", "bench_memory", "bench_step", "bench_scaling", "gpt2_small", "train_gpt", "gpu_check"}
+
+
+def _benchmark_imports(path: Path) -> set[str]:
+    """benchmarks.* modules a file imports, anywhere in it (inside functions too, and lazy_import("benchmarks.x"))."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "benchmarks":
+                found |= {a.name for a in node.names}
+            elif node.module.startswith("benchmarks."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("benchmarks."):
+            found.add(node.value.split(".")[1].split(":")[0])
+    return found - {"lazy_import"}
+
+
+def test_benchmarks_have_no_import_circle():
+    """The CLI sits on top of the modules that run things: nothing below cli.py imports it (or a script), and the
+    benchmarks' imports form no circle (every import counts, inside functions and lazy ones too)."""
+    graph = {p.stem: _benchmark_imports(p) - {p.stem} for p in (ROOT / "benchmarks").glob("*.py")
+             if p.stem != "__init__"}
+    below = set(graph) - SCRIPTS - {"cli"}
+    offenders = {m: sorted(graph[m] & (SCRIPTS | {"cli"})) for m in below if graph[m] & (SCRIPTS | {"cli"})}
+    assert not offenders, f"modules below the CLI import it (or a script): {offenders}"
+
+    def visit(node, path):
+        for nxt in graph.get(node, ()):
+            assert nxt not in path, f"import circle: {' -> '.join(path + [nxt])}"
+            visit(nxt, path + [nxt])
+
+    for start in graph:
+        visit(start, [start])
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_rerun_keeps_the_earlier_results(tmp_path):
+    """A complete sweep's tables and results stay when a later run of the same benchmark fails: the failed run's
+    tables go to <name>.incomplete.*, its launches to a folder of its own, and the message says what failed."""
+    from benchmarks import cli, sweep
+
+    def args():
+        p = cli.base_parser("probe")
+        cli.world_sizes_arg(p, [1])
+        return cli.parse(p, ["--out", str(tmp_path), "--quiet", "--timeout", "120"], "probe")
+
+    first = args()
+    done = sweep.run(first, "probe", "benchmarks.launch:probe", [("W1", 1, {})])
+    assert done["W1"][0]["world_size"] == 1
+    sweep.finish(first, "probe", {"benchmark": "probe"}, "| host |\n| first |\n", None)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert set(before) == {"probe.json", "probe.md"}
+    assert (tmp_path / "probe.sweep" / "W1.pkl").exists()
+    assert "Machine: 1 rank(s) on 1 host(s)" in before["probe.md"].decode()  # the ranks' machine heads the table
+
+    second = args()
+    done = sweep.run(second, "probe", "benchmarks.launch:no_such_worker", [("W1", 1, {})])
+    assert done == {}
+    with pytest.raises(sweep.SweepFailed) as failed:
+        sweep.finish(second, "probe", {"benchmark": "probe"}, "| host |\n", None)
+    assert "1 launch(es) of probe failed" in str(failed.value) and "no_such_worker" in str(failed.value)
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert {k: after[k] for k in before} == before, "a failed rerun changed the earlier tables"
+    assert "not measured, W1 (W=1)" in after["probe.incomplete.md"].decode()
+    assert (tmp_path / "probe.sweep" / "W1.pkl").exists(), "a failed rerun deleted the earlier sweep's results"
+    assert json.loads((second.sweep_folder / "manifest.json").read_text())["failed"]["W1"]
+
+
+def test_ctrl_c_says_what_keeps_running(tmp_path):
+    """Ctrl-C under SLURM names the jobs that keep running and the --collect and scancel commands."""
+    import argparse
+
+    from benchmarks import sweep
+
+    args = argparse.Namespace(launcher="slurm", out=tmp_path)
+    manifest = {"jobs": {"W2": {"job_id": "11", "world_size": 2}, "W4": {"job_id": "12", "world_size": 4}},
+                "failed": {}}
+    said = sweep.interrupted_message(args, "step", tmp_path / "step.sweep.x", manifest, {"W2": []})
+    assert "12 (W=4)" in said and "11 (W=2)" not in said
+    assert f"python benchmarks/bench_step.py --collect {tmp_path / 'step.sweep.x'}" in said
+    assert "scancel 12" in said
+    args.launcher = "local"
+    assert "nothing keeps running" in sweep.interrupted_message(args, "step", tmp_path, {"jobs": {}}, {})
+
+
 # ---- the benchmarks, end to end at a tiny size ----------------------------------------------------------
 # The exact table headers: the writeup template copies them, so a change here is a change there too.
 HEADERS = {
@@ -124,6 +291,17 @@ def test_run_all_quick_writes_tables_json_and_plots(tmp_path):
         assert raw["quick"] is True
     step = (tmp_path / "step.md").read_text()
     assert "Simulated interconnect" in step and "simulated" in step  # the output says when the link is simulated
+    # the machine the ranks ran on heads every table; the alpha-beta fit is in comm.md
+    for name in HEADERS:
+        assert "\nMachine: " in (tmp_path / f"{name}.md").read_text(), name  # after the quick note
+    assert "| collective | W | interconnect | alpha us | beta GB/s |" in (tmp_path / "comm.md").read_text()
+    # the per-rank profiler traces and the timeline picture are kept
+    traces = sorted(p.name for p in (tmp_path / "step.sweep" / "traces").rglob("*.json.gz"))
+    assert "FSDP-W2-rank0.json.gz" in traces and "FSDP-W2-rank1.json.gz" in traces, traces
+    assert (tmp_path / "step_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    exposed = json.loads((tmp_path / "step.json").read_text())["results"]
+    fsdp = [e for r in exposed if r["strategy"] == "FSDP" for e in r["exposed"]]
+    assert len(fsdp) >= 2 and all(0 <= e["exposed_comm_ms"] <= e["comm_ms"] + 1e-6 for e in fsdp), fsdp
     assert "quick run" in (tmp_path / "summary.md").read_text()
 
 
@@ -145,3 +323,20 @@ def test_gpt2_and_train_quick_runs(tmp_path):
     raw = train_gpt.main(["--quick", "--out", str(tmp_path), "--quiet"])
     r0 = raw["results"][0]["ranks"][0]
     assert r0["max_rel_err"] <= 1e-5, (r0["worst_param"], r0["max_rel_err"])
+
+
+# slow: tens of seconds (pytest collecting the NCCL variants, and three tiny FSDP steps in a process of their own)
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    """The one GPU command, dry-run on CPU so it does not rot: it builds its plan, checks every benchmark command's
+    flags, collects the NCCL test variants, runs the memory-snapshot code path, and writes one report."""
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--dry-run", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=580)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert md.startswith("# GPU check (DRY RUN, device cpu") and "all parts ok" in md
+    assert "## nccl tests: ok" in md and "tests collected" in md and "[nccl-1]" in md
+    for part in ("memory", "step"):
+        assert f"## {part}: dry run, not executed (flags checked)" in md
+    assert "## snapshot: ok" in md and "CUDA memory history exists only on a GPU" in md

@@ -8,6 +8,10 @@
 #   bash benchmarks/slurm/slurm_down.sh                # stops exactly what this script started (and the namespaces)
 #
 # --nodes 2 on a machine that cannot make network namespaces exits with status 3 and names the missing capability.
+# One cluster per caller: the caller is FSDP_SLURM_OWNER, or the checkout this script is in. While a cluster another
+# caller started is up, this script exits with status 4 and says whose it is, instead of silently sharing it;
+# FSDP_SLURM_SHARE=1 joins it on purpose. Every job the benchmarks submit carries "fsdp-owner=<caller>" as its
+# comment, and slurm_down.sh cancels only its caller's jobs (and stops the daemons only when no other caller is left).
 # Switching between 1 and 2 nodes rewrites slurm.conf and restarts the daemons this script started.
 # Cold machine: installs munge, slurmctld, slurmd, slurm-client, and (for accounting) slurmdbd + mariadb-server with
 # apt, then starts munged, mariadbd, slurmdbd, slurmctld, slurmd by hand. Idempotent: run it again while the cluster
@@ -35,6 +39,8 @@ PIDS=$ROOT/started.pids
 HOST=$(hostname -s)
 HERE=$(cd "$(dirname "$0")" && pwd)
 NODES=${FSDP_SLURM_NODES:-1}
+OWNER=${FSDP_SLURM_OWNER:-$(cd "$HERE/../.." && pwd)}   # who this cluster is for (benchmarks/slurm_launch.py: owner())
+OWNERS=$ROOT/owners                                   # the callers using the running cluster, one per line
 while [ $# -gt 0 ]; do
   case "$1" in
     --nodes) NODES=$2; shift 2 ;;
@@ -77,9 +83,22 @@ wait_for() { # wait_for SECONDS CMD... : poll every 0.25 s
 record() { echo "$1 $2" >> "$PIDS"; log "started $1 pid $2"; }
 die() { log "$1"; [ -n "${2:-}" ] && tail -30 "$2" >&2; exit 1; }
 
-mkdir -p "$ROOT"; touch "$PIDS"
+mkdir -p "$ROOT"; touch "$PIDS" "$OWNERS"
 while read -r n p; do alive "$p" "$n" && echo "$n $p"; done < "$PIDS" > "$PIDS.new" || true
 mv "$PIDS.new" "$PIDS"                                 # forget recorded daemons that have since died
+# ---------------------------------------------------------------- one cluster per caller
+if [ ! -s "$PIDS" ]; then
+  echo "$OWNER" > "$OWNERS"                           # nothing of an earlier cluster runs: this one is ours
+elif ! grep -qxF "$OWNER" "$OWNERS"; then
+  if [ "${FSDP_SLURM_SHARE:-0}" = 1 ]; then
+    echo "$OWNER" >> "$OWNERS"; log "joining the running cluster of $(paste -sd, "$OWNERS") (FSDP_SLURM_SHARE=1)"
+  else
+    log "a SLURM cluster started by another caller is running here ($(paste -sd, "$OWNERS" | sed 's/,/, /g'));" \
+        "not sharing it silently. Stop it with that checkout's slurm_down.sh, or set FSDP_SLURM_SHARE=1 to use it" \
+        "too (each caller's slurm_down.sh cancels only its own jobs). You are: $OWNER"
+    exit 4
+  fi
+fi
 install -d -o slurm -g slurm -m 0755 "$ROOT/ctld" "$ROOT/log" "$ROOT/run"   # written by daemons running as slurm
 install -d -o root -g root -m 0755 "$ROOT/d"                                 # slurmd runs as root
 
