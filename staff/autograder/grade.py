@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -130,17 +131,21 @@ def stage_tree(source: Path, dest: Path) -> None:
                                                   "run_autograder"))
 
 
+PRIVATE_IN_TREE = ("tests/hidden", "staff")  # root only while grading: hidden tests, the plugin, test_times.json
+
+
 def lock_down(tree: Path) -> None:
-    """Owned by us, readable by everyone, writable by no one else; the hidden tests readable by us only (a rank
-    imports its test module before it drops to the rank user, so student code can neither read them nor copy
-    them into a visible test's output)."""
+    """Owned by us, readable by everyone, writable by no one else; the hidden tests and the staff tooling
+    (the grading plugin, test_times.json with every hidden test's name) readable by us only. A rank imports
+    its test's scenario module before it drops to the rank user, so student code can neither read the hidden
+    tests nor copy them into a visible test's output; the parent-side checks are never imported in a rank."""
     for dirpath, dirnames, filenames in os.walk(tree):
         os.chmod(dirpath, 0o755)
         for name in filenames:
             os.chmod(os.path.join(dirpath, name), 0o644)
-    hidden = tree / "tests" / "hidden"
-    if hidden.is_dir():
-        os.chmod(hidden, 0o700)
+    for rel in PRIVATE_IN_TREE:
+        if (tree / rel).is_dir():
+            os.chmod(tree / rel, 0o700)
     path = tree
     while path != path.parent:  # every directory above must let the rank user through
         try:
@@ -239,7 +244,7 @@ def run_pytest(cmd: list[str], tree: Path, env: dict[str, str], timeout: float) 
         chunk = os.read(proc.stdout.fileno(), 65536)
         if not chunk:
             break
-        sys.stdout.buffer.write(chunk)
+        sys.stdout.buffer.write(sanitize_log(chunk))
         sys.stdout.flush()
         buf = (buf + chunk)[-20000:]
     if killed:
@@ -251,6 +256,15 @@ def run_pytest(cmd: list[str], tree: Path, env: dict[str, str], timeout: float) 
     proc.wait()
     tail.append(buf.decode("utf-8", errors="replace"))
     return (None if killed else proc.returncode), "".join(tail)
+
+
+_LOG_CONTROLS = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def sanitize_log(chunk: bytes) -> bytes:
+    """pytest's output as the log shows it: control bytes but newline and tab escaped (a submission's exception
+    message may hold terminal escapes or carriage returns that would rewrite what the log shows)."""
+    return _LOG_CONTROLS.sub(lambda m: b"\\r" if m.group() == b"\r" else b"\\x%02x" % m.group()[0], chunk)
 
 
 def ensure_results(results: Path, tail: str, code: int | None) -> None:
@@ -317,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.autograder_root is not None:
         root = args.autograder_root.resolve()
         source, tree = root / "source", root / "grading"
+        # The bundle as unzipped (hidden tests, staff files) is root's alone for the whole run.
+        os.chmod(source, 0o700)
         stage_tree(source, tree)
         wanted = task_files(tree)
         found, notes = find_submitted(root / "submission", wanted)
@@ -330,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         lock_down(tree)
         results = args.results or root / "results" / "results.json"
         results.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(results.parent, 0o755)
+        os.chmod(results.parent, 0o700)  # results.json holds hidden tests' output: root's while grading runs
         for note in notes:
             print(f"grade: {note}", flush=True)
     else:

@@ -363,7 +363,7 @@ class Grader:
             phase = {"setup": "failed while setting up", "teardown": "failed while tearing down"}.get(
                 rec.failed_phase or "", "failed")
             body = f"{phase}:\n\n{rec.failure}" if rec.failure else phase
-        text = "\n".join([head, "", body, *rec.notes])
+        text = sanitize("\n".join([head, "", body, *rec.notes]))
         if len(text) > OUTPUT_LIMIT:
             text = text[:OUTPUT_LIMIT] + f"\n... (output cut at {OUTPUT_LIMIT} characters)"
         return text
@@ -428,7 +428,7 @@ class Grader:
         if not self.final:
             output += "\n\nThe grading run has not finished: tests not run yet score 0."
         if self.notes:
-            output += "\n\n" + "\n".join(self.notes)
+            output += "\n\n" + sanitize("\n".join(self.notes))
         return {
             "score": round(sum(t["score"] for t in tests), 2),
             "execution_time": int(round(time.time() - self.start)),
@@ -638,6 +638,20 @@ class TimeLimits:
 
 
 # ---- failure messages -------------------------------------------------------------------------------------
+# Terminal escape sequences (CSI "ESC [ ... final", OSC "ESC ] ... BEL or ESC \\", and the other two-character
+# ESC sequences), then every control character but newline and tab, C1 controls and DEL included.
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]|\x9b[0-?]*[ -/]*[@-~]")
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def sanitize(text: str) -> str:
+    """Text from a submission (exception messages, output) as it may reach results.json and the log: escape
+    sequences removed (no colours, cursor moves, hyperlinks or title changes), other control characters shown
+    escaped (a carriage return cannot hide a line behind a fake verdict)."""
+    text = _ESCAPES.sub("", text)
+    return _CONTROLS.sub(lambda m: "\\r" if m.group() == "\r" else f"\\x{ord(m.group()):02x}", text)
+
+
 def failure_text(excinfo, report, task: int) -> str:
     """What happened, for the student: the harness's message for rank failures, the assertion's message,
     or the exception with the end of its traceback."""

@@ -168,6 +168,11 @@ CASES: list[Case] = [
          stub_forgery="pipe", select=TIE_ONCE, broken=(TIE_ONCE,), message=FORGERY_CAUGHT),
     Case("forged_stub_subinterpreter", "stubs + the same report written with ctypes from a subinterpreter",
          stub_forgery="subinterpreter", select=TIE_ONCE, broken=(TIE_ONCE,), message=FORGERY_CAUGHT),
+    Case("escapes", "raises with terminal escapes, an OSC hyperlink and a carriage return before a fake verdict",
+         edits=(_insert(3, UNSHARD_START, "    raise RuntimeError('zoo\\x1b[2K\\x1b[32m PASSED \\x1b]8;;http://x\\x07y\\x1b]8;;\\x07'\n"
+                                          "                       '\\r1 passed')\n"),),
+         select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
+         message=r"raised RuntimeError: zoo PASSED y(?s:.*)RuntimeError: zoo PASSED y\\r1 passed"),
     Case("debugging_leftovers", "correct code that calls gc.get_objects(), sys._current_frames() and malloc_trim "
          "through ctypes (the old guard closed the result channel: 28.74 of 100)",
          edits=(_insert(3, UNSHARD_START, "    import ctypes, gc, sys\n    gc.get_objects()\n    sys._current_frames()\n"
@@ -582,7 +587,7 @@ def run_case(case: Case, workdir: Path, *, rank_user: str = "none", root: Path =
     if rank_user != "none":
         from grade import lock_down
         lock_down(tree)
-        os.chmod(results_dir, 0o755)
+        os.chmod(results_dir, 0o700)
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     seconds = time.monotonic() - start
@@ -609,6 +614,11 @@ def run_case(case: Case, workdir: Path, *, rank_user: str = "none", root: Path =
         out.problems.append("results.json lists no tests")
     if data.get("output") == "forged" or any("forged" in t.get("output", "") for t in tests):
         out.problems.append("the forged results.json survived")
+    for t in [data] + tests:
+        if re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", t.get("output", "")):
+            out.problems.append(f"{t.get('name', 'top-level output')}: control characters or escapes in the output")
+    if re.search(r"[\x00-\x08\x0b-\x1f\x7f]", proc.stdout):
+        out.problems.append("control characters or escapes in the grading log")
     secret = hidden_lines(root)
     for t in tests:
         if t.get("visibility") == "visible":
