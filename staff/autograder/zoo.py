@@ -428,7 +428,7 @@ def hidden_lines(root: Path = ROOT) -> set[str]:
                 if len(line.strip()) >= 40}
     public = lines_of([p for p in (root / "tests").rglob("*.py") if "hidden" not in p.parts]
                       + list((root / "fsdp_assignment").rglob("*.py")))
-    return lines_of((root / "tests" / "hidden").glob("test_*.py")) - public
+    return lines_of((root / "tests" / "hidden").rglob("*.py")) - public
 
 
 # ---- hanging submissions graded in full: a hang costs only the tests that reach it (issue 8) ---------------
