@@ -644,6 +644,7 @@ _body_code = None  # the body's code object, once found: where a rank's tracebac
 def _rank_main(config: dict, conn, lifeline) -> None:
     """A rank's whole life. It never returns: it ends with os._exit, so no atexit handler or leftover thread
     of the body can keep it alive or change its exit code."""
+    _close_inherited_fds(keep={conn.fileno(), lifeline.fileno()})
     os.setsid()  # own process group: the parent kills it, and everything it spawns, with one killpg
     threading.Thread(target=_watch_lifeline, args=(lifeline,), name="harness-lifeline", daemon=True).start()
     # Both files are created here, in the parent's directory (the rank user cannot write there), before the
@@ -678,6 +679,23 @@ def _rank_main(config: dict, conn, lifeline) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _close_inherited_fds(keep: set[int]) -> None:
+    """Close every descriptor the rank inherited but stdin/out/err and ``keep``: the forkserver's, and the write
+    end of the grading process's multiprocessing resource tracker (through which a rank could have the tracker,
+    run by the grader, unlink a file or semaphore of the grader's, and fill its log). Nothing of this rank's own
+    is open yet."""
+    from multiprocessing import resource_tracker
+    tracker = resource_tracker._resource_tracker
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the listing's own descriptor, closed already
+    tracker._fd = tracker._pid = None  # if the body uses shared memory, it starts a tracker of its own
 
 
 def _run_body(config: dict, sendable):

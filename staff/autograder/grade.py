@@ -335,14 +335,17 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
     if user:  # anything of the rank user's still alive (escaped its session?) or left in /tmp goes now
         import pwd
         sys.path.insert(0, str(HERE))
-        from grading_plugin import reap_user_processes, remove_user_files
+        from grading_plugin import reap_user_processes, remove_user_files, remove_user_ipc, world_writable_places
         uid = pwd.getpwnam(user).pw_uid
         killed = reap_user_processes(uid)
         if killed:
             print(f"grade: killed {killed} leftover process(es) of user {user!r}", flush=True)
-        removed = remove_user_files(uid)
+        removed = remove_user_files(uid, tuple(world_writable_places()))
         if removed:
             print(f"grade: removed {removed} leftover file(s) of user {user!r}", flush=True)
+        ipc = remove_user_ipc(uid)
+        if ipc:
+            print(f"grade: removed {ipc} System V IPC object(s) of user {user!r}", flush=True)
     else:
         print("grade: ranks run as the grading user, so a process that left its session or a file outside the "
               "rank's own folder cannot be told from the grader's: neither is cleaned up after the run", flush=True)

@@ -160,6 +160,7 @@ class Grader:
         self.notes: list[str] = list(config.getoption("--grade-note") or [])
         self.write_failed = False
         self.rank_uid = _rank_user_uid()
+        self.shared_places: tuple[str, ...] | None = None  # world_writable_places(), found at the first teardown
         self.limits = TimeLimits(config, self.budget)
 
     # ---- collection -------------------------------------------------------------------------------------
@@ -291,10 +292,16 @@ class Grader:
             if killed and rec is not None:
                 rec.notes.append(f"note: {killed} process(es) started by your code were still alive after this "
                                  f"test and were killed; leave nothing running when a rank returns")
-            removed = remove_user_files(self.rank_uid)
+            if self.shared_places is None:
+                self.shared_places = tuple(world_writable_places())
+            removed = remove_user_files(self.rank_uid, self.shared_places)
             if removed and rec is not None:
-                rec.notes.append(f"note: {removed} file(s) or folder(s) your code left in {', '.join(SHARED_TMP)} "
-                                 f"were removed (each test starts without them)")
+                rec.notes.append(f"note: {removed} file(s) or folder(s) your code left in shared folders "
+                                 f"(/tmp, /dev/shm, /run/lock, ...) were removed (each test starts without them)")
+            ipc = remove_user_ipc(self.rank_uid)
+            if ipc and rec is not None:
+                rec.notes.append(f"note: {ipc} System V shared-memory segment(s), semaphore set(s) or message "
+                                 f"queue(s) your code left were removed (each test starts without them)")
 
     def pytest_runtest_logfinish(self, nodeid, location) -> None:
         rec = self.records.get(nodeid)
@@ -697,7 +704,88 @@ def check_error_text(excinfo, report) -> str:
 
 
 # ---- leftover processes and files of the rank user ---------------------------------------------------------
-SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # where any user may write; the rank user's files there go
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # where any user may write on every image (world_writable_places)
+SKIP_WHEN_LISTING = ("/proc", "/sys", "/dev")  # kernel file systems: nothing there is a file a user leaves
+# (/dev/shm and /dev/mqueue, which are, are looked at on their own)
+
+
+WRITABLE_DEPTH = 4  # how deep world_writable_places looks (tests/staff/test_rank_user.py checks, without a
+# depth limit, that no world-writable directory on the image lies deeper)
+
+
+def world_writable_places(roots: tuple[str, ...] = ("/",), skip: tuple[str, ...] = SKIP_WHEN_LISTING,
+                          depth: int | None = WRITABLE_DEPTH) -> list[str]:
+    """Every directory on this image where any user may create files (mode o+w), outermost only, found by a
+    walk of the file system down to ``depth`` (a fraction of a second, once a session; symlinks are not
+    followed). The rank user can leave files only there (it owns no directory), so these are what is cleaned
+    after every test."""
+    found: list[str] = []
+    for extra in ("/dev/shm", "/dev/mqueue"):
+        try:
+            if os.stat(extra).st_mode & 0o002 and not os.path.islink(extra):
+                found.append(extra)
+        except OSError:
+            pass
+
+    def walk(folder: str, level: int = 1) -> None:
+        if depth is not None and level > depth:
+            return
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            return
+        for entry in entries:
+            try:
+                if not entry.is_dir(follow_symlinks=False) or entry.path in skip:
+                    continue
+                if entry.stat(follow_symlinks=False).st_mode & 0o002:
+                    found.append(entry.path)  # remove_user_files walks inside it
+                else:
+                    walk(entry.path, level + 1)
+            except OSError:
+                continue
+
+    for root in roots:
+        try:
+            if os.stat(root).st_mode & 0o002:
+                found.append(root)
+                continue
+        except OSError:
+            continue
+        walk(root)
+    return sorted(set(found))
+
+
+def remove_user_ipc(uid: int) -> int:
+    """Remove the SysV shared-memory segments, semaphore sets and message queues owned by ``uid`` (they outlive
+    every process: 15 segments of 64 MiB were left after a grading run); return how many."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return 0
+    IPC_RMID = 0
+    removed = 0
+    for kind, remove in (("shm", lambda i: libc.shmctl(i, IPC_RMID, None)),
+                         ("sem", lambda i: libc.semctl(i, 0, IPC_RMID)),
+                         ("msg", lambda i: libc.msgctl(i, IPC_RMID, None))):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = [line.split() for line in f]
+        except (OSError, ValueError):
+            continue
+        id_col, uid_col = 1, header.index("uid") if "uid" in header else None
+        if uid_col is None:
+            continue
+        for row in rows:
+            try:
+                if int(row[uid_col]) == uid and remove(int(row[id_col])) == 0:
+                    removed += 1
+            except (IndexError, ValueError):
+                continue
+    return removed
+
+
 def _rank_user_uid() -> int | None:
     user = os.environ.get("FSDP_RANK_USER", "").strip()
     if not user or os.geteuid() != 0:
