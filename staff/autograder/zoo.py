@@ -173,6 +173,15 @@ CASES: list[Case] = [
                                           "                       '\\r1 passed')\n"),),
          select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
          message=r"raised RuntimeError: zoo PASSED y(?s:.*)RuntimeError: zoo PASSED y\\r1 passed"),
+    Case("ipc_and_lock_leftovers", "leaves a System V shared-memory segment, a semaphore set and a file in /run/lock "
+         "(results correct)",
+         edits=(_insert(7, "    if isinstance(module, FSDPModule):\n",
+                        "    import ctypes, os\n    _libc = ctypes.CDLL(None)\n"
+                        "    _libc.shmget(0, 1 << 20, 0o1600)\n    _libc.semget(0, 1, 0o1600)\n"
+                        "    for _d in ('/run/lock', '/var/lock', '/dev/shm'):\n"
+                        "        try:\n            open(os.path.join(_d, f'zoo-{os.getpid()}'), 'w').close()\n"
+                        "        except OSError:\n            pass\n"),),
+         select=f"{SIBLING}", fine=(SIBLING,), needs_rank_user=True),
     Case("debugging_leftovers", "correct code that calls gc.get_objects(), sys._current_frames() and malloc_trim "
          "through ctypes (the old guard closed the result channel: 28.74 of 100)",
          edits=(_insert(3, UNSHARD_START, "    import ctypes, gc, sys\n    gc.get_objects()\n    sys._current_frames()\n"
@@ -552,6 +561,31 @@ def tagged_processes(tag: str) -> list[tuple[int, str]]:
     return found
 
 
+def leftovers_of(user: str) -> list[str]:
+    """What the rank user still owns after a grading run: System V IPC objects, files in world-writable places."""
+    import pwd
+    from grading_plugin import world_writable_places
+    uid = pwd.getpwnam(user).pw_uid
+    problems = []
+    for kind in ("shm", "sem", "msg"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = [line.split() for line in f]
+        except OSError:
+            continue
+        left = sum(int(r[header.index("uid")]) == uid for r in rows)
+        if left:
+            problems.append(f"{left} System V {kind} object(s) of {user} left after grading")
+    for place in world_writable_places():
+        try:
+            mine = [e.path for e in os.scandir(place) if e.stat(follow_symlinks=False).st_uid == uid]
+        except OSError:
+            continue
+        if mine:
+            problems.append(f"files of {user} left in {place}: {mine[:5]}")
+    return problems
+
+
 def kill_tagged(tag: str) -> None:
     for pid, _ in tagged_processes(tag):
         try:
@@ -595,6 +629,8 @@ def run_case(case: Case, workdir: Path, *, rank_user: str = "none", root: Path =
     out = Result(case, seconds, grader_output=proc.stdout[-6000:] + proc.stderr[-2000:])
     out.survivors = tagged_processes(tag)
     kill_tagged(tag)
+    if rank_user != "none":
+        out.problems += leftovers_of(rank_user)
     if out.survivors:
         out.problems.append(f"processes survived the run: {out.survivors}")
     if "the grading run exceeded" in proc.stdout:
