@@ -42,6 +42,9 @@ DEFAULT_RANK_MEMORY_MB = 256  # the reference passes everything with 128 (measur
 # Each file a rank writes (its output included) stays under this (RLIMIT_FSIZE; the tests write none of their own),
 # and the rank user's files in /tmp, /var/tmp and /dev/shm are removed after every test: no quota is needed.
 RANK_FILE_LIMIT_BYTES = 256 << 20
+# All of the rank user's processes, its tmpfs files and shared memory together (student_limits.py): room for 4
+# ranks at their limit and their start-up memory; 8 children of 350 MB, or 1.5 GB in /dev/shm, do not fit.
+STUDENT_MEMORY_EXTRA_BYTES = 1 << 30
 RANK_MAX_PROCESSES = 512  # RLIMIT_NPROC of the rank user: processes and threads (4 ranks use about 60)
 MAX_SUBMITTED_FILE_BYTES = 1 << 20
 # A submission is seven small files: these bounds keep reading it (as root, before the tests) short whatever it is.
@@ -255,6 +258,7 @@ def grading_env(tree: Path, rank_user: str | None, memory_mb: int, timeout_cap: 
                FSDP_RANK_FILE_LIMIT_BYTES=str(RANK_FILE_LIMIT_BYTES), FSDP_RANK_MAX_PROCESSES=str(RANK_MAX_PROCESSES))
     if rank_user:
         env["FSDP_RANK_USER"] = rank_user
+        env["FSDP_STUDENT_MEMORY_LIMIT_BYTES"] = str(4 * (int(memory_mb) << 20) + STUDENT_MEMORY_EXTRA_BYTES)
     if timeout_cap:
         env["FSDP_RANK_TIMEOUT_CAP"] = f"{timeout_cap:g}"
     return env

@@ -161,6 +161,14 @@ class Grader:
         self.write_failed = False
         self.rank_uid = _rank_user_uid()
         self.shared_places: tuple[str, ...] | None = None  # world_writable_places(), found at the first teardown
+        self.memory_watch = None  # all of the rank user's memory together (student_limits.py)
+        student_limit = os.environ.get("FSDP_STUDENT_MEMORY_LIMIT_BYTES", "").strip()
+        if self.rank_uid is not None and student_limit:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from student_limits import MemoryWatch
+            self.shared_places = tuple(world_writable_places())
+            self.memory_watch = MemoryWatch(self.rank_uid, int(student_limit), list(self.shared_places),
+                                            kill_everything_of)
         self.limits = TimeLimits(config, self.budget)
 
     # ---- collection -------------------------------------------------------------------------------------
@@ -262,6 +270,8 @@ class Grader:
         seconds = self.limits.start_test(item, rec.task, time.time() - self.start)
         if seconds is not None:
             rec.notes.append(f"time limit: {seconds:.0f} s")
+        if self.memory_watch is not None:
+            self.memory_watch.start()
         return None
 
     def pytest_runtest_logstart(self, nodeid, location) -> None:
@@ -294,6 +304,10 @@ class Grader:
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_teardown(self, item, nextitem) -> None:
         rec = self.records.get(item.nodeid)
+        if self.memory_watch is not None:
+            note = self.memory_watch.stop()
+            if note and rec is not None:
+                rec.notes.append(note)
         if self.rank_uid is not None:
             killed = reap_user_processes(self.rank_uid)
             if killed and rec is not None:
