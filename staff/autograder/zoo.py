@@ -133,11 +133,12 @@ CASES: list[Case] = [
                         "    import subprocess\n    subprocess.Popen(['sleep', '600'], start_new_session=True)\n"),),
          select=f"{SIBLING}", fine=(SIBLING,), needs_rank_user=True),
     # Issue 14: forged passes, leaks of hidden tests, isolation, messages.
-    Case("forged_pass", "walks the stack to the harness's rank main, takes the nonce and the result connection, "
-         "sends 'ok' with a result of its own and leaves (the forgery that scored a stub 8.02)",
+    Case("forged_pass", "walks the stack to the harness's rank main, takes the result connection (and the nonce "
+         "it once held), sends 'ok' with a result of its own and leaves (the forgery that scored a stub 8.02)",
          edits=(_insert(3, UNSHARD_START, "    _zoo_forge_pass()\n"),),
          select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
-         message=r"rank \d of 2 (exited with code 0 without reporting a result|sent a message that is not a valid)"),
+         message=r"rank \d of 2 (exited with code 0 without reporting a result|announced a report of \d+ bytes|"
+                 r"sent a report the parent cannot read|ended in the middle of its report)"),
     Case("output_link", "replaces its own output file with a link to a hidden test module, then fails",
          edits=(_insert(3, UNSHARD_START, "    _zoo_swap_output('link')\n"),),
          select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
@@ -169,8 +170,9 @@ CASES: list[Case] = [
     Case("forged_stub_subinterpreter", "stubs + the same report written with ctypes from a subinterpreter",
          stub_forgery="subinterpreter", select=TIE_ONCE, broken=(TIE_ONCE,), message=FORGERY_CAUGHT),
     Case("escapes", "raises with terminal escapes, an OSC hyperlink and a carriage return before a fake verdict",
-         edits=(_insert(3, UNSHARD_START, "    raise RuntimeError('zoo\\x1b[2K\\x1b[32m PASSED \\x1b]8;;http://x\\x07y\\x1b]8;;\\x07'\n"
-                                          "                       '\\r1 passed')\n"),),
+         edits=(_insert(3, UNSHARD_START,
+                        "    raise RuntimeError('zoo\\x1b[2K\\x1b[32m PASSED \\x1b]8;;http://x\\x07y\\x1b]8;;\\x07'\n"
+                        "                       '\\r1 passed')\n"),),
          select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
          message=r"raised RuntimeError: zoo PASSED y(?s:.*)RuntimeError: zoo PASSED y\\r1 passed"),
     Case("ipc_and_lock_leftovers", "leaves a System V shared-memory segment, a semaphore set and a file in /run/lock "
@@ -184,8 +186,8 @@ CASES: list[Case] = [
          select=f"{SIBLING}", fine=(SIBLING,), needs_rank_user=True),
     Case("debugging_leftovers", "correct code that calls gc.get_objects(), sys._current_frames() and malloc_trim "
          "through ctypes (the old guard closed the result channel: 28.74 of 100)",
-         edits=(_insert(3, UNSHARD_START, "    import ctypes, gc, sys\n    gc.get_objects()\n    sys._current_frames()\n"
-                                          "    ctypes.CDLL(None).malloc_trim(0)\n"),),
+         edits=(_insert(3, UNSHARD_START, "    import ctypes, gc, sys\n    gc.get_objects()\n"
+                                          "    sys._current_frames()\n    ctypes.CDLL(None).malloc_trim(0)\n"),),
          select=f"{GRAD_2} or {TIED_2}", fine=(GRAD_2, TIED_2)),
     Case("chdir_at_import", "correct code that changes directory and sys.path when its module is imported",
          edits=((1, "import torch\n", "import os, sys\nos.chdir('/')\nsys.path[:] = [p for p in sys.path if p]"

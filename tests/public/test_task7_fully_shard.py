@@ -202,7 +202,8 @@ def test_tied_weights_are_updated_once():
         # shards, and every shard hold the parent's values after the step.
         check_flat_params(got["flat"], model, units, where)
         for desc in got["flat"]:
-            assert_close(desc["shard"], expected_shard(desc, full), f"{where}: shard of unit '{desc['prefix'] or '<root>'}'")
+            unit = desc["prefix"] or "<root>"
+            assert_close(desc["shard"], expected_shard(desc, full), f"{where}: shard of unit '{unit}'")
         if got["calls"] is not None:
             check_sharded_training(got["calls"], got["shard_numels"], model, units, world_size, 1, where)
 
