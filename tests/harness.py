@@ -29,20 +29,20 @@ The protocol, step by step:
    stack files (created by the rank before it drops privileges, so the body can neither replace them with a link
    nor a FIFO), and inside it the body's own (the FileStore, TMPDIR and HOME), removed with the run. The parent
    reads a rank's files back without following links, only if they are regular files, and only their tail.
-4. Positive signal: the parent draws a random nonce per run. Before the body runs, the rank hands the nonce and
-   its end of the result pipe to an audit hook (_install_guard) and keeps neither anywhere Python code can
-   reach; the body may walk its own stack freely. After the body returns, the rank meets the others at a
-   closing barrier, destroys the process group, serializes (status, result) with torch.save and raises the
-   report event; the hook sends it with an HMAC under the nonce, only when the event comes from the harness's own
-   frame, once. While the body runs, the ways to reach the hook's state (the garbage collector's object lists,
-   other threads' frames, tracing, ctypes, /proc/*/mem) make the hook report "forbidden" and close the pipe.
-   The parent checks the HMAC and reads the payload with torch.load(weights_only=True), which builds tensors
-   and plain containers and refuses anything else, so a rank cannot make the parent run code. A rank passes
-   only if that message arrives. Exiting, with code 0 or not, sys.exit, a signal, a hang, a stop, a destroyed
-   default group: all are failures (RankFailure), named by rank.
-   What this cannot prevent: code in the rank that patches torch so that the body itself computes the values a
-   correct implementation would; a test guards against that by checking, in the parent, values and evidence
-   (per-rank storage, counted collectives) that plain single-process code does not produce.
+4. The rank reports data; the parent decides. After the body returns, the rank meets the others at a closing
+   barrier, destroys the process group and sends its result (torch.save, length-prefixed) down its pipe, then
+   exits with code 0. Nothing in a rank is trusted to say "passed": a rank runs student code, which can read
+   or rewrite anything in its own process (its memory, the harness's functions, torch's), so no secret kept there
+   could stay secret. The parent reads each report without blocking and with a size cap (MAX_MESSAGE_BYTES)
+   inside the run's timeout, loads it with torch.load(weights_only=True) (tensors and plain containers; a rank
+   cannot make the parent run code), and counts a rank as finished only when its report is complete and the
+   kernel then shows the process ended with exit code 0. Exiting without a report, sys.exit, a signal, a hang, a
+   stop, a destroyed default group: all are failures (RankFailure), named by rank.
+   What decides a pass is the test's own check, in the parent, of what the ranks sent: values against its own
+   single-process computation on inputs the test chose, and evidence of sharding that single-process code does
+   not produce (each rank's shard sizes and contents against the parent's model, counted collectives). A
+   submission that fakes its results must fake all of that consistently; one that computes single-process
+   values and claims success is caught by the evidence.
 5. A rank that raises sends its traceback instead. The parent gives the other ranks a moment to report their
    own errors, then kills them all (they would otherwise wait out their collective timeout), and raises
    RankFailure with the first traceback, a line for each other rank, and the tail of the failing rank's output.
@@ -58,7 +58,6 @@ a rank runs student code, which could patch torch's comparison functions in its 
 
 from __future__ import annotations
 
-import hmac
 import importlib
 import importlib.util
 import io
@@ -68,7 +67,6 @@ import os
 import pickle
 import re
 import resource
-import secrets
 import shutil
 import signal
 import stat
@@ -77,7 +75,6 @@ import tempfile
 import threading
 import time
 import traceback
-from _hashlib import hmac_digest as _hmac_digest
 from datetime import timedelta
 
 import pytest
@@ -92,8 +89,9 @@ STACK_DUMP_WAIT_S = 0.5  # after SIGUSR1, how long to wait for the stack dumps
 STACK_TAIL_CHARS = 20_000  # how much of a hung rank's stack dump goes into the message
 STOPPED_POLL_S = 1.0  # how often the parent looks for stopped ranks while it waits
 STOPPED_GRACE_S = 2.0  # a rank stopped this long is a failure (a stop the body resumes itself is fine)
-_TAG_BYTES = 32  # HMAC-SHA256 of each message under the run's nonce
-_FORBIDDEN_PREFIX = b"\x00fsdp-harness-forbidden\x00"
+MAX_MESSAGE_BYTES = 64 << 20  # the largest report a rank may send (the biggest a test returns is under 1 MiB);
+# the parent reads it without blocking, in pieces, and refuses a longer one as soon as its length arrives
+_LENGTH_BYTES = 8  # each report: its length (8 bytes, big-endian), then a torch.save payload
 MEMORY_AS_SLACK_BYTES = 256 << 20  # address space a rank may reserve beyond its memory limit: a correct
 # implementation reserves at most 63 MiB more after the limit is set (measured over every public and hidden test); 4x that
 
@@ -133,8 +131,8 @@ class RankFailure(AssertionError):
     "peer-lost" (the body returned but a peer failed before the end), "exited" (the process ended without
     reporting), "signal" (a signal ended it), "bad-message" (the rank sent something that is not a valid
     result message for this run), "timeout" (the run outlived `timeout`), "stopped" (SIGSTOP and never
-    resumed), "group-destroyed" (the body returned after destroying the default process group), "forbidden" (the
-    body reached into the harness: see _install_guard). The rank that caused the failure sets the kind.
+    resumed), "group-destroyed" (the body returned after destroying the default process group). The rank that
+    caused the failure sets the kind.
     """
 
     def __init__(self, message: str, *, kind: str, rank: int | None):
@@ -207,6 +205,9 @@ class _Rank:
         self.error: dict = {}  # for "raised"/"bad-result": type, message, traceback
         self.exitcode: int | None = None
         self.finished_at: float | None = None
+        self.buffer = bytearray()  # the report as it arrives
+        self.report: dict | None = None  # the complete report
+        self.bad = ""  # for "bad-message": what was wrong with it
 
 
 def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: float = 60.0,
@@ -241,7 +242,6 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
     _ensure_forkserver()
     # The environment now, not the forkserver's (a snapshot taken when it started): tests may set FSDP_IMPL.
     env = dict(os.environ)
-    nonce = secrets.token_hex(16)
     # Two places per run. run_dir is ours: each rank's output and stack files, which we read back, live here,
     # where the body can neither replace them (with a link to a hidden test, or a FIFO) nor add files.
     # rank_dir, inside it, is the body's: the FileStore and the body's TMPDIR and HOME; we never read from it.
@@ -263,14 +263,15 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
             out_path = os.path.join(run_dir, f"rank{rank}.out")
             stack_path = os.path.join(run_dir, f"rank{rank}.stacks")
             config = dict(rank=rank, world_size=world_size, backend=backend, body_ref=body_ref,
-                          args_blob=args_blob, nonce=nonce, env=env, rank_dir=rank_dir,
+                          args_blob=args_blob, env=env, rank_dir=rank_dir,
                           out_path=out_path, stack_path=stack_path, collective_timeout=collective_timeout,
                           memory_limit_bytes=memory_limit_bytes, limits=limits, run_as=run_as)
             proc = _CTX.Process(target=_rank_main, args=(config, conn_w, lifeline_r), name=f"rank{rank}")
             ranks.append(_Rank(rank, proc, conn_r, out_path, stack_path))
             proc.start()
             conn_w.close()  # the rank holds the only write end now, so its death reads as EOF
-        failure = _collect(ranks, nonce, deadline=time.monotonic() + timeout, timeout=timeout,
+            os.set_blocking(conn_r.fileno(), False)  # read in pieces, never waiting on a rank (_read_report)
+        failure = _collect(ranks, deadline=time.monotonic() + timeout, timeout=timeout,
                            memory_limit_bytes=memory_limit_bytes)
     finally:
         # Whatever happened (a failure, a KeyboardInterrupt, pytest-timeout), nothing outlives the run.
@@ -300,7 +301,7 @@ def _body_reference(body) -> dict:
     return dict(module=module, qualname=qualname, filename=filename)
 
 
-def _collect(ranks: list[_Rank], nonce: str, *, deadline: float, timeout: float,
+def _collect(ranks: list[_Rank], *, deadline: float, timeout: float,
              memory_limit_bytes: int | None) -> RankFailure | None:
     """Wait for every rank's message or death; stop early after a failure. Returns the failure, if any."""
     give_up_at = deadline
@@ -314,13 +315,15 @@ def _collect(ranks: list[_Rank], nonce: str, *, deadline: float, timeout: float,
         waitables = [r.conn for r in running] + [r.proc.sentinel for r in running]
         ready = set(mp.connection.wait(waitables, timeout=min(give_up_at - now, STOPPED_POLL_S)))
         for r in running:
-            # A message is read before a death is believed: a rank exits right after sending.
-            if r.conn in ready or (r.proc.sentinel in ready and r.conn.poll(0)):
-                _read_message(r, nonce)
-            elif r.proc.sentinel in ready:
-                r.proc.join(1.0)
-                r.exitcode = r.proc.exitcode
-                r.status = "signal" if r.exitcode is not None and r.exitcode < 0 else "exited"
+            # A report is read before a death is believed: a rank exits right after sending.
+            if r.conn in ready:
+                _read_report(r)
+            if r.status != "running":
+                pass
+            elif r.proc.sentinel in ready and not r.conn.poll(0):
+                _read_report(r)  # whatever is left, then EOF
+                if r.status == "running":
+                    _ended(r)
             elif _proc_state(r.proc.pid) == "T":
                 # Stopped (SIGSTOP, SIGTSTP): it can neither run nor answer, and its peers wait for it in their
                 # collectives until they time out. It is the cause, not them.
@@ -354,35 +357,59 @@ def _proc_state(pid: int | None) -> str:
         return ""
 
 
-def _read_message(r: _Rank, nonce: str) -> None:
-    try:
-        data = r.conn.recv_bytes()
-    except (EOFError, OSError):
-        r.proc.join(1.0)  # the rank closed the pipe without a message: it is dying or dead
-        r.exitcode = r.proc.exitcode
-        r.status = "signal" if r.exitcode is not None and r.exitcode < 0 else "exited"
-        return
-    # Every message is tag + payload, the tag an HMAC of the payload under this run's nonce. In the rank only the
-    # harness's audit hook holds the nonce (see _install_guard), so a message the body made up fails here.
-    tag, payload = data[:_TAG_BYTES], data[_TAG_BYTES:]
-    expected = hmac.new(nonce.encode(), payload, "sha256").digest()
-    if len(data) < _TAG_BYTES or not hmac.compare_digest(tag, expected):
-        r.status = "bad-message"
-        return
-    if payload.startswith(_FORBIDDEN_PREFIX):
-        r.status = "forbidden"
-        r.error = {"type": "", "message": payload[len(_FORBIDDEN_PREFIX):].decode("utf-8", "replace")[:200],
-                   "traceback": ""}
-        return
-    message = _decode_message(payload)
-    if message is None:
-        r.status = "bad-message"
-    elif message.get("status") == "ok":
-        r.status, r.result = "ok", message.get("result")
+def _read_report(r: _Rank) -> None:
+    """Read what the rank's pipe holds now, without blocking (the descriptor is non-blocking), never more than
+    MAX_MESSAGE_BYTES in all. A complete report is kept until the rank's exit is seen (_ended)."""
+    fd = r.conn.fileno()
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # EOF: the rank closed its end (it exited, or closed it itself)
+            _ended(r)
+            return
+        r.buffer += chunk
+        if r.report is not None or len(r.buffer) > _LENGTH_BYTES + MAX_MESSAGE_BYTES:
+            r.status, r.bad = "bad-message", "sent more than one report, or a report over the size limit"
+            return
+        if len(r.buffer) >= _LENGTH_BYTES:
+            length = int.from_bytes(r.buffer[:_LENGTH_BYTES], "big")
+            if length > MAX_MESSAGE_BYTES:
+                r.status, r.bad = "bad-message", (f"announced a report of {length} bytes (the limit is "
+                                                  f"{MAX_MESSAGE_BYTES}): results must be small")
+                return
+            if len(r.buffer) == _LENGTH_BYTES + length:
+                r.report = _decode_message(bytes(r.buffer[_LENGTH_BYTES:]))
+                r.buffer = bytearray()
+                if r.report is None:
+                    r.status, r.bad = "bad-message", "sent a report the parent cannot read"
+                    return
+                if r.report.get("kind") != "result":  # an error report fails the rank at once
+                    status = r.report.get("status")
+                    r.status = status if status in ("bad-result", "peer-lost", "group-destroyed") else "raised"
+                    r.error = {k: str(r.report.get(k, "")) for k in ("type", "message", "traceback")}
+                    return
+
+
+def _ended(r: _Rank) -> None:
+    """The rank's pipe is closed: it finished only with a complete result report and exit code 0 (from the
+    kernel, through waitpid: not something the rank says)."""
+    r.proc.join(1.0)
+    r.exitcode = r.proc.exitcode
+    if r.report is not None and r.report.get("kind") == "result" and r.exitcode == 0 and not r.buffer:
+        r.status, r.result = "ok", r.report.get("result")
+    elif r.report is not None and r.report.get("kind") == "result" and r.exitcode is not None:
+        r.status, r.bad = "bad-message", (f"reported a result, then exited with code {r.exitcode}: a rank counts "
+                                          f"only if it ends with code 0 after its report")
+    elif r.report is not None and r.report.get("kind") == "result":
+        r.status, r.bad = "bad-message", "closed its result pipe after reporting but did not exit"
+    elif r.buffer:
+        r.status, r.bad = "bad-message", "ended in the middle of its report"
     else:
-        status = message.get("status")
-        r.status = status if status in ("bad-result", "peer-lost", "group-destroyed") else "raised"
-        r.error = {k: str(message.get(k, "")) for k in ("type", "message", "traceback")}
+        r.status = "signal" if r.exitcode is not None and r.exitcode < 0 else "exited"
 
 
 def _decode_message(data: bytes) -> dict | None:
@@ -416,11 +443,11 @@ def _kill_all(ranks: list[_Rank]) -> None:
 
 # ---- Failure messages -------------------------------------------------------------------------------------
 def _explain_failures(failures: list[_Rank], ranks: list[_Rank], memory_limit_bytes: int | None) -> RankFailure:
-    # The story is the first failure that is a cause rather than an echo: a rank that was stopped, destroyed
-    # the process group or touched the harness's secrets comes first; then one that failed on its own; last the
+    # The story is the first failure that is a cause rather than an echo: a rank that was stopped or destroyed
+    # the process group comes first; then one that failed on its own; last the
     # peers whose collectives failed because of another rank ("Connection closed by peer").
     def rank_of_cause(r: _Rank) -> tuple:
-        cause = r.status in ("stopped", "group-destroyed", "forbidden")
+        cause = r.status in ("stopped", "group-destroyed")
         return (0 if cause else 2 if _is_echo(r) else 1, failures.index(r))
     first, world_size = min(failures, key=rank_of_cause), len(ranks)
     lines = [f"rank {first.rank} of {world_size} {_what_happened(first, memory_limit_bytes)}"]
@@ -467,15 +494,11 @@ def _what_happened(r: _Rank, memory_limit_bytes: int | None) -> str:
         return text
     if r.status in ("bad-result", "peer-lost", "group-destroyed"):
         return r.error["message"]
-    if r.status == "forbidden":
-        return (f"used {r.error['message']}, which a rank may not use while a body runs (it reaches into the "
-                f"harness: other objects' memory, stack frames of other threads, tracing); the harness closed its "
-                f"result channel, so this run cannot pass")
     if r.status == "stopped":
         return ("was stopped (SIGSTOP or SIGTSTP: os.kill(os.getpid(), signal.SIGSTOP)?) and never resumed; a "
                 "stopped rank cannot run or report, and its peers wait for it in their collectives")
     if r.status == "bad-message":
-        return "sent a message that is not a valid result for this run (no positive signal)"
+        return f"{r.bad or 'sent a message that is not a valid result report'} (no result from this rank)"
     if r.status == "signal":
         name = _signal_name(-r.exitcode)
         text = f"was killed by signal {name} before reporting a result"
@@ -621,6 +644,7 @@ _body_code = None  # the body's code object, once found: where a rank's tracebac
 def _rank_main(config: dict, conn, lifeline) -> None:
     """A rank's whole life. It never returns: it ends with os._exit, so no atexit handler or leftover thread
     of the body can keep it alive or change its exit code."""
+    _close_inherited_fds(keep={conn.fileno(), lifeline.fileno()})
     os.setsid()  # own process group: the parent kills it, and everything it spawns, with one killpg
     threading.Thread(target=_watch_lifeline, args=(lifeline,), name="harness-lifeline", daemon=True).start()
     # Both files are created here, in the parent's directory (the rank user cannot write there), before the
@@ -630,33 +654,48 @@ def _rank_main(config: dict, conn, lifeline) -> None:
     import faulthandler
     faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults, aborts: stacks into the output file
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
-    # The run's nonce and the result pipe go into the guard now; no frame or object Python code can reach
-    # holds them afterwards (config loses the nonce; the Connection is closed, the guard keeps a duplicate fd).
-    _install_guard(config.pop("nonce"), conn)
-    del conn
-    # What runs after the body, bound now: the body cannot swap the harness's own functions for others.
-    save, sendable, report, audit = torch.save, _sendable, _REPORT_EVENT, sys.audit
-
+    # The report is data for the parent to check, not a verdict: nothing here needs protecting from the body
+    # (see the module docstring, step 4).
+    fd = conn.fileno()
     try:
-        message = {"status": "ok", "result": _run_body(config, sendable)}
+        message = {"kind": "result", "result": _run_body(config, _sendable)}
     except (_BadResult, _PeerLost, _GroupDestroyed) as e:  # the harness's own words; no traceback needed
         status = {_BadResult: "bad-result", _PeerLost: "peer-lost", _GroupDestroyed: "group-destroyed"}[type(e)]
-        message = {"status": status, "type": type(e).__name__, "message": str(e), "traceback": ""}
+        message = {"kind": "error", "status": status, "type": type(e).__name__, "message": str(e), "traceback": ""}
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: only a return counts
-        message = {"status": "raised", "type": type(e).__name__, "message": str(e),
+        message = {"kind": "error", "status": "raised", "type": type(e).__name__, "message": str(e),
                    "traceback": _format_traceback(e)}
     try:
         buf = io.BytesIO()
-        save(message, buf)
-        audit(report, buf.getvalue())  # the guard signs it and sends it, if this frame is the one it trusts
+        torch.save(message, buf)
+        data = memoryview(len(buf.getvalue()).to_bytes(_LENGTH_BYTES, "big") + buf.getvalue())
+        while data:
+            data = data[os.write(fd, data):]
     except BaseException:
         traceback.print_exc()
         code = 3
     else:
-        code = 0 if message["status"] == "ok" else 1
+        code = 0 if message["kind"] == "result" else 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _close_inherited_fds(keep: set[int]) -> None:
+    """Close every descriptor the rank inherited but stdin/out/err and ``keep``: the forkserver's, and the write
+    end of the grading process's multiprocessing resource tracker (through which a rank could have the tracker,
+    run by the grader, unlink a file or semaphore of the grader's, and fill its log). Nothing of this rank's own
+    is open yet."""
+    from multiprocessing import resource_tracker
+    tracker = resource_tracker._resource_tracker
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the listing's own descriptor, closed already
+    tracker._fd = tracker._pid = None  # if the body uses shared memory, it starts a tracker of its own
 
 
 def _run_body(config: dict, sendable):
@@ -693,9 +732,7 @@ def _run_body(config: dict, sendable):
     if config.get("run_as") is not None:  # last: the harness and the test module were set up as ourselves
         _drop_privileges(*config["run_as"])
     if os.environ.get("FSDP_TRACE_TASK_CALLS"):  # staff/autograder/measure_times.py: which task functions run
-        _trace_task_calls(os.environ["FSDP_TRACE_TASK_CALLS"])  # (staff timing runs only: guard unarmed,
-    else:                                                         # since tracing is what the guard forbids)
-        sys.audit(_ARM_EVENT)  # from here on, reaching into the harness closes the result channel
+        _trace_task_calls(os.environ["FSDP_TRACE_TASK_CALLS"])
     result = body(rank, world_size, *args)
     result = sendable(result, "result")
     if not dist.is_initialized():
@@ -709,75 +746,6 @@ def _run_body(config: dict, sendable):
                         f"{_first_line(str(e))}") from None
     dist.destroy_process_group()
     return result
-
-
-# ---- The guard: the result channel, out of the body's reach ------------------------------------------------
-_REPORT_EVENT = "fsdp.harness.report"
-_ARM_EVENT = "fsdp.harness.arm"
-# Audit events (PEP 578) by which Python code reaches objects it holds no reference to: the garbage collector's
-# object lists, other threads' frames, tracing (which can jump a frame to any line), ctypes (raw memory), and
-# /proc/<pid>/mem. No test body or correct task file needs them (measured on the staff solution: none occurs).
-_FORBIDDEN_EVENTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
-                               "sys.settrace", "sys.setprofile"})
-
-
-def _install_guard(nonce: str, conn) -> None:
-    """Move the run's secret and the result pipe into an audit hook, the one place in the process that Python
-    code cannot reach: the interpreter keeps the hook, and a hook can be neither listed nor removed.
-
-    The hook sends a message (tag + payload, the tag an HMAC-SHA256 of the payload under the nonce) only when
-    the harness's own _rank_main frame raises the report event, once. While the body runs ("armed"), an event
-    that could reach the hook's state (see _FORBIDDEN_EVENTS, ctypes, /proc/*/mem) makes it send a "forbidden"
-    message naming the event and close the pipe: that rank's run cannot pass any more. The hook uses only
-    functions bound here, never looked up when it runs, and never runs code of an object the body made (the
-    event name must be an exact str, the payload exact bytes), so it never calls back into the body with
-    the secret in reach. A body stays free to walk its own stack: no frame holds the secret."""
-    state = [nonce.encode(), os.dup(conn.fileno()), False]  # key, fd, armed
-    conn.close()
-    trusted = sys._getframe(1)  # _rank_main's frame: the only one whose report counts
-    getframe, write, close, digest, str_, bytes_ = sys._getframe, os.write, os.close, _hmac_digest, str, bytes
-    report, arm, forbidden, prefix = _REPORT_EVENT, _ARM_EVENT, _FORBIDDEN_EVENTS, _FORBIDDEN_PREFIX
-
-    def send(payload):
-        data = digest(state[0], payload, "sha256") + payload
-        data = memoryview(len(data).to_bytes(4, "big", signed=True) + data)  # multiprocessing's framing
-        while data:
-            data = data[write(state[1], data):]
-
-    def shut():
-        state[0] = None
-        try:
-            close(state[1])
-        except OSError:
-            pass
-
-    def hook(event, args):
-        if type(event) is not str_ or state[0] is None:
-            return
-        if event == report:
-            if getframe(1) is trusted and len(args) == 1 and type(args[0]) is bytes_:
-                try:
-                    send(args[0])
-                except OSError:
-                    pass
-                shut()
-            return
-        if event == arm:
-            state[2] = True
-            return
-        if not state[2]:
-            return
-        path = args[0] if event == "open" and args else None
-        if event in forbidden or event.startswith("ctypes.") or (
-                (type(path) is str_ and (path == "mem" or path.endswith("/mem")))
-                or (type(path) is bytes_ and (path == b"mem" or path.endswith(b"/mem")))):
-            try:
-                send(prefix + (event if event != "open" else "open(.../mem)").encode())
-            except OSError:
-                pass
-            shut()
-
-    sys.addaudithook(hook)
 
 
 def _trace_task_calls(path: str) -> None:

@@ -52,6 +52,7 @@ BUNDLE_GLOBS = (
     "tests/points.py",
     "tests/public/*.py",
     "tests/hidden/*.py",
+    "tests/hidden/scenarios/*.py",
     "staff/autograder/__init__.py",
     "staff/autograder/grading_plugin.py",
     "staff/autograder/grade.py",

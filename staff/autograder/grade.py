@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -41,8 +42,15 @@ DEFAULT_RANK_MEMORY_MB = 256  # the reference passes everything with 128 (measur
 # Each file a rank writes (its output included) stays under this (RLIMIT_FSIZE; the tests write none of their own),
 # and the rank user's files in /tmp, /var/tmp and /dev/shm are removed after every test: no quota is needed.
 RANK_FILE_LIMIT_BYTES = 256 << 20
+# All of the rank user's processes, its tmpfs files and shared memory together (student_limits.py): room for 4
+# ranks at their limit and their start-up memory; 8 children of 350 MB, or 1.5 GB in /dev/shm, do not fit.
+STUDENT_MEMORY_EXTRA_BYTES = 1 << 30
 RANK_MAX_PROCESSES = 512  # RLIMIT_NPROC of the rank user: processes and threads (4 ranks use about 60)
 MAX_SUBMITTED_FILE_BYTES = 1 << 20
+# A submission is seven small files: these bounds keep reading it (as root, before the tests) short whatever it is.
+MAX_SUBMISSION_ENTRIES = 10_000  # files looked at in the submission folder, entries in a zip's central directory
+MAX_ZIP_BYTES = 16 << 20  # a zip larger than this is not opened
+MAX_ZIP_DIRECTORY_BYTES = 2 << 20  # nor one whose central directory is larger
 TEST_DIRS = ("tests/public", "tests/hidden")
 
 
@@ -62,7 +70,13 @@ def find_submitted(submission: Path, wanted: list[str]) -> tuple[dict[str, Path]
     notes: list[str] = []
     candidates: dict[str, list[Path]] = {}
     if submission.is_dir():
-        for path in sorted(submission.rglob("*")):
+        import itertools
+        paths = list(itertools.islice(submission.rglob("*"), MAX_SUBMISSION_ENTRIES + 1))
+        if len(paths) > MAX_SUBMISSION_ENTRIES:
+            notes.append(f"your submission holds more than {MAX_SUBMISSION_ENTRIES} files; only the first "
+                         f"{MAX_SUBMISSION_ENTRIES} were looked at (submit the task files only)")
+            paths = paths[:MAX_SUBMISSION_ENTRIES]
+        for path in sorted(paths):
             rel = path.relative_to(submission)
             if any(part.startswith(".") or part == "__MACOSX" for part in rel.parts):
                 continue
@@ -90,13 +104,43 @@ def find_submitted(submission: Path, wanted: list[str]) -> tuple[dict[str, Path]
     return found, notes
 
 
+def zip_too_big(archive: Path) -> str:
+    """Why ``archive`` is not to be opened, or "": its size, and the entry count and size its end-of-central-
+    directory record declares, read before zipfile parses the directory (400,000 entries took 2 s and 234 MiB)."""
+    try:
+        size = archive.stat().st_size
+        if size > MAX_ZIP_BYTES:
+            return f"{size} bytes, more than {MAX_ZIP_BYTES}"
+        with open(archive, "rb") as f:
+            f.seek(max(0, size - (1 << 16) - 22))
+            tail = f.read()
+    except OSError as err:
+        return f"unreadable: {err.strerror}"
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) < at + 22:
+        return "not a zip file"
+    entries = int.from_bytes(tail[at + 10:at + 12], "little")
+    directory = int.from_bytes(tail[at + 12:at + 16], "little")
+    if entries == 0xFFFF or directory == 0xFFFFFFFF:
+        return "a zip64 archive"
+    if entries > MAX_SUBMISSION_ENTRIES or directory > MAX_ZIP_DIRECTORY_BYTES:
+        return f"{entries} entries, {directory} bytes of directory"
+    return ""
+
+
 def find_in_zips(submission: Path, wanted: list[str]) -> tuple[dict[str, bytes], list[str]]:
     """Task files inside a .zip uploaded as is (make_submission.sh's zip, not unzipped): exact path first, else by
     file name; read in memory, never extracted."""
     import zipfile
     found: dict[str, bytes] = {}
     notes: list[str] = []
-    for archive in sorted(submission.rglob("*.zip")) if submission.is_dir() else []:
+    import itertools
+    archives = sorted(itertools.islice(submission.rglob("*.zip"), 16)) if submission.is_dir() else []
+    for archive in archives:
+        why = zip_too_big(archive)
+        if why:
+            notes.append(f"{archive.name}: not opened ({why}); submit the task files, or make_submission.sh's zip")
+            continue
         try:
             with zipfile.ZipFile(archive) as zf:
                 infos = [i for i in zf.infolist() if not i.is_dir() and "__MACOSX" not in i.filename]
@@ -130,17 +174,21 @@ def stage_tree(source: Path, dest: Path) -> None:
                                                   "run_autograder"))
 
 
+PRIVATE_IN_TREE = ("tests/hidden", "staff")  # root only while grading: hidden tests, the plugin, test_times.json
+
+
 def lock_down(tree: Path) -> None:
-    """Owned by us, readable by everyone, writable by no one else; the hidden tests readable by us only (a rank
-    imports its test module before it drops to the rank user, so student code can neither read them nor copy
-    them into a visible test's output)."""
+    """Owned by us, readable by everyone, writable by no one else; the hidden tests and the staff tooling
+    (the grading plugin, test_times.json with every hidden test's name) readable by us only. A rank imports
+    its test's scenario module before it drops to the rank user, so student code can neither read the hidden
+    tests nor copy them into a visible test's output; the parent-side checks are never imported in a rank."""
     for dirpath, dirnames, filenames in os.walk(tree):
         os.chmod(dirpath, 0o755)
         for name in filenames:
             os.chmod(os.path.join(dirpath, name), 0o644)
-    hidden = tree / "tests" / "hidden"
-    if hidden.is_dir():
-        os.chmod(hidden, 0o700)
+    for rel in PRIVATE_IN_TREE:
+        if (tree / rel).is_dir():
+            os.chmod(tree / rel, 0o700)
     path = tree
     while path != path.parent:  # every directory above must let the rank user through
         try:
@@ -210,6 +258,7 @@ def grading_env(tree: Path, rank_user: str | None, memory_mb: int, timeout_cap: 
                FSDP_RANK_FILE_LIMIT_BYTES=str(RANK_FILE_LIMIT_BYTES), FSDP_RANK_MAX_PROCESSES=str(RANK_MAX_PROCESSES))
     if rank_user:
         env["FSDP_RANK_USER"] = rank_user
+        env["FSDP_STUDENT_MEMORY_LIMIT_BYTES"] = str(4 * (int(memory_mb) << 20) + STUDENT_MEMORY_EXTRA_BYTES)
     if timeout_cap:
         env["FSDP_RANK_TIMEOUT_CAP"] = f"{timeout_cap:g}"
     return env
@@ -239,7 +288,7 @@ def run_pytest(cmd: list[str], tree: Path, env: dict[str, str], timeout: float) 
         chunk = os.read(proc.stdout.fileno(), 65536)
         if not chunk:
             break
-        sys.stdout.buffer.write(chunk)
+        sys.stdout.buffer.write(sanitize_log(chunk))
         sys.stdout.flush()
         buf = (buf + chunk)[-20000:]
     if killed:
@@ -251,6 +300,15 @@ def run_pytest(cmd: list[str], tree: Path, env: dict[str, str], timeout: float) 
     proc.wait()
     tail.append(buf.decode("utf-8", errors="replace"))
     return (None if killed else proc.returncode), "".join(tail)
+
+
+_LOG_CONTROLS = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def sanitize_log(chunk: bytes) -> bytes:
+    """pytest's output as the log shows it: control bytes but newline and tab escaped (a submission's exception
+    message may hold terminal escapes or carriage returns that would rewrite what the log shows)."""
+    return _LOG_CONTROLS.sub(lambda m: b"\\r" if m.group() == b"\r" else b"\\x%02x" % m.group()[0], chunk)
 
 
 def ensure_results(results: Path, tail: str, code: int | None) -> None:
@@ -281,14 +339,17 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
     if user:  # anything of the rank user's still alive (escaped its session?) or left in /tmp goes now
         import pwd
         sys.path.insert(0, str(HERE))
-        from grading_plugin import reap_user_processes, remove_user_files
+        from grading_plugin import reap_user_processes, remove_user_files, remove_user_ipc, world_writable_places
         uid = pwd.getpwnam(user).pw_uid
         killed = reap_user_processes(uid)
         if killed:
             print(f"grade: killed {killed} leftover process(es) of user {user!r}", flush=True)
-        removed = remove_user_files(uid)
+        removed = remove_user_files(uid, tuple(world_writable_places()))
         if removed:
             print(f"grade: removed {removed} leftover file(s) of user {user!r}", flush=True)
+        ipc = remove_user_ipc(uid)
+        if ipc:
+            print(f"grade: removed {ipc} System V IPC object(s) of user {user!r}", flush=True)
     else:
         print("grade: ranks run as the grading user, so a process that left its session or a file outside the "
               "rank's own folder cannot be told from the grader's: neither is cleaned up after the run", flush=True)
@@ -314,9 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-cap", type=float, default=None)
     args = parser.parse_args(argv)
     notes: list[str] = []
+    started = time.monotonic()  # reading the submission counts against --timeout too
     if args.autograder_root is not None:
         root = args.autograder_root.resolve()
         source, tree = root / "source", root / "grading"
+        # The bundle as unzipped (hidden tests, staff files) is root's alone for the whole run.
+        os.chmod(source, 0o700)
         stage_tree(source, tree)
         wanted = task_files(tree)
         found, notes = find_submitted(root / "submission", wanted)
@@ -330,13 +394,14 @@ def main(argv: list[str] | None = None) -> int:
         lock_down(tree)
         results = args.results or root / "results" / "results.json"
         results.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(results.parent, 0o755)
+        os.chmod(results.parent, 0o700)  # results.json holds hidden tests' output: root's while grading runs
         for note in notes:
             print(f"grade: {note}", flush=True)
     else:
         tree = TREE
         results = args.results or tree / "results.json"
-    return grade_tree(tree, results.resolve(), budget=args.budget, timeout=args.timeout,
+    timeout = max(1.0, args.timeout - (time.monotonic() - started))
+    return grade_tree(tree, results.resolve(), budget=args.budget, timeout=timeout,
                       rank_user=args.rank_user, memory_mb=args.rank_memory_mb, timeout_cap=args.timeout_cap,
                       extra=extra, notes=notes)
 

@@ -180,6 +180,15 @@ class Grader:
         self.notes: list[str] = list(config.getoption("--grade-note") or [])
         self.write_failed = False
         self.rank_uid = _rank_user_uid()
+        self.shared_places: tuple[str, ...] | None = None  # world_writable_places(), found at the first teardown
+        self.memory_watch = None  # all of the rank user's memory together (student_limits.py)
+        student_limit = os.environ.get("FSDP_STUDENT_MEMORY_LIMIT_BYTES", "").strip()
+        if self.rank_uid is not None and student_limit:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from student_limits import MemoryWatch
+            self.shared_places = tuple(world_writable_places())
+            self.memory_watch = MemoryWatch(self.rank_uid, int(student_limit), list(self.shared_places),
+                                            kill_everything_of)
         self.limits = TimeLimits(config, self.budget)
 
     # ---- collection -------------------------------------------------------------------------------------
@@ -244,6 +253,13 @@ class Grader:
             per_task[rec.task] = per_task.get(rec.task, 0) + 1
             rec.number = f"{self.bonus_number if rec.task == BONUS else rec.task}.{per_task[rec.task]}"
         self.limits.plan([(n, self.records[n].task) for n in self.order])
+        # pytest-timeout's backstop (it interrupts a blocked pytest process, without the ranks' stacks): set now,
+        # since pytest-timeout reads a test's marker in a hook wrapper that runs before any of our hooks do.
+        if self.limits.enabled and self.limits.record_dir is None:
+            for item in session.items:
+                if item.nodeid in self.records:
+                    item.add_marker(pytest.mark.timeout(self.limits.limit(item.nodeid) + BACKSTOP_MARGIN_S),
+                                    append=False)
         self.write()
 
     def pytest_collectreport(self, report) -> None:
@@ -279,6 +295,8 @@ class Grader:
         seconds = self.limits.start_test(item, rec.task, time.time() - self.start)
         if seconds is not None:
             rec.notes.append(f"time limit: {seconds:.0f} s")
+        if self.memory_watch is not None:
+            self.memory_watch.start()
         return None
 
     def pytest_runtest_logstart(self, nodeid, location) -> None:
@@ -311,15 +329,25 @@ class Grader:
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_teardown(self, item, nextitem) -> None:
         rec = self.records.get(item.nodeid)
+        if self.memory_watch is not None:
+            note = self.memory_watch.stop()
+            if note and rec is not None:
+                rec.notes.append(note)
         if self.rank_uid is not None:
             killed = reap_user_processes(self.rank_uid)
             if killed and rec is not None:
                 rec.notes.append(f"note: {killed} process(es) started by your code were still alive after this "
                                  f"test and were killed; leave nothing running when a rank returns")
-            removed = remove_user_files(self.rank_uid)
+            if self.shared_places is None:
+                self.shared_places = tuple(world_writable_places())
+            removed = remove_user_files(self.rank_uid, self.shared_places)
             if removed and rec is not None:
-                rec.notes.append(f"note: {removed} file(s) or folder(s) your code left in {', '.join(SHARED_TMP)} "
-                                 f"were removed (each test starts without them)")
+                rec.notes.append(f"note: {removed} file(s) or folder(s) your code left in shared folders "
+                                 f"(/tmp, /dev/shm, /run/lock, ...) were removed (each test starts without them)")
+            ipc = remove_user_ipc(self.rank_uid)
+            if ipc and rec is not None:
+                rec.notes.append(f"note: {ipc} System V shared-memory segment(s), semaphore set(s) or message "
+                                 f"queue(s) your code left were removed (each test starts without them)")
 
     def pytest_runtest_logfinish(self, nodeid, location) -> None:
         rec = self.records.get(nodeid)
@@ -395,7 +423,7 @@ class Grader:
             phase = {"setup": "failed while setting up", "teardown": "failed while tearing down"}.get(
                 rec.failed_phase or "", "failed")
             body = f"{phase}:\n\n{rec.failure}" if rec.failure else phase
-        text = "\n".join([head, "", body, *rec.notes])
+        text = sanitize("\n".join([head, "", body, *rec.notes]))
         if len(text) > OUTPUT_LIMIT:
             text = text[:OUTPUT_LIMIT] + f"\n... (output cut at {OUTPUT_LIMIT} characters)"
         return text
@@ -472,7 +500,7 @@ class Grader:
         if not self.final:
             output += "\n\nThe grading run has not finished: tests not run yet score 0."
         if self.notes:
-            output += "\n\n" + "\n".join(self.notes)
+            output += "\n\n" + sanitize("\n".join(self.notes))
         bonus = {}
         if any(rec.task == BONUS for rec in self.records.values()):
             got, mx = self.bonus_score()
@@ -505,6 +533,8 @@ class Grader:
 
 # ---- time limits: per test, per task, and hung functions ------------------------------------------------------
 TIMES_FILE = Path(__file__).resolve().parent / "test_times.json"
+BACKSTOP_MARGIN_S = 60.0     # after the harness's deadline: its stack dumps and kills, then the test's own
+# single-process checks in the parent; pytest-timeout fires only when the parent itself is blocked
 TEST_TIMEOUT_FLOOR_S = 30.0   # no test gets less: start-up alone (fork, process group) takes seconds under load
 TEST_TIMEOUT_FACTOR = 15.0    # x the reference's quiet time; the reference ran 9.5x slower at load 10 (issue 8)
 LOAD_FACTOR = 10.0            # what a task is expected to need: 10x its reference time (load 10), ...
@@ -637,9 +667,7 @@ class TimeLimits:
         if self.budget is not None:
             seconds = max(1.0, min(seconds, self.budget - elapsed))
         os.environ["FSDP_RANK_DEADLINE"] = f"{time.time() + seconds:.3f}"
-        # pytest-timeout as a backstop only (it interrupts the pytest process, without the ranks' stacks).
-        item.add_marker(pytest.mark.timeout(seconds + 60), append=False)
-        return seconds
+        return seconds  # (pytest-timeout's backstop was set at collection: limit + BACKSTOP_MARGIN_S)
 
     def end_test(self, nodeid: str, task: int, elapsed: float, call_seconds: float, passed: bool) -> None:
         os.environ.pop("FSDP_RANK_DEADLINE", None)
@@ -688,6 +716,20 @@ class TimeLimits:
 
 
 # ---- failure messages -------------------------------------------------------------------------------------
+# Terminal escape sequences (CSI "ESC [ ... final", OSC "ESC ] ... BEL or ESC \\", and the other two-character
+# ESC sequences), then every control character but newline and tab, C1 controls and DEL included.
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]|\x9b[0-?]*[ -/]*[@-~]")
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def sanitize(text: str) -> str:
+    """Text from a submission (exception messages, output) as it may reach results.json and the log: escape
+    sequences removed (no colours, cursor moves, hyperlinks or title changes), other control characters shown
+    escaped (a carriage return cannot hide a line behind a fake verdict)."""
+    text = _ESCAPES.sub("", text)
+    return _CONTROLS.sub(lambda m: "\\r" if m.group() == "\r" else f"\\x{ord(m.group()):02x}", text)
+
+
 def failure_text(excinfo, report, task: int) -> str:
     """What happened, for the student: the harness's message for rank failures, the assertion's message,
     or the exception with the end of its traceback."""
@@ -733,7 +775,88 @@ def check_error_text(excinfo, report) -> str:
 
 
 # ---- leftover processes and files of the rank user ---------------------------------------------------------
-SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # where any user may write; the rank user's files there go
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # where any user may write on every image (world_writable_places)
+SKIP_WHEN_LISTING = ("/proc", "/sys", "/dev")  # kernel file systems: nothing there is a file a user leaves
+# (/dev/shm and /dev/mqueue, which are, are looked at on their own)
+
+
+WRITABLE_DEPTH = 4  # how deep world_writable_places looks (tests/staff/test_rank_user.py checks, without a
+# depth limit, that no world-writable directory on the image lies deeper)
+
+
+def world_writable_places(roots: tuple[str, ...] = ("/",), skip: tuple[str, ...] = SKIP_WHEN_LISTING,
+                          depth: int | None = WRITABLE_DEPTH) -> list[str]:
+    """Every directory on this image where any user may create files (mode o+w), outermost only, found by a
+    walk of the file system down to ``depth`` (a fraction of a second, once a session; symlinks are not
+    followed). The rank user can leave files only there (it owns no directory), so these are what is cleaned
+    after every test."""
+    found: list[str] = []
+    for extra in ("/dev/shm", "/dev/mqueue"):
+        try:
+            if os.stat(extra).st_mode & 0o002 and not os.path.islink(extra):
+                found.append(extra)
+        except OSError:
+            pass
+
+    def walk(folder: str, level: int = 1) -> None:
+        if depth is not None and level > depth:
+            return
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            return
+        for entry in entries:
+            try:
+                if not entry.is_dir(follow_symlinks=False) or entry.path in skip:
+                    continue
+                if entry.stat(follow_symlinks=False).st_mode & 0o002:
+                    found.append(entry.path)  # remove_user_files walks inside it
+                else:
+                    walk(entry.path, level + 1)
+            except OSError:
+                continue
+
+    for root in roots:
+        try:
+            if os.stat(root).st_mode & 0o002:
+                found.append(root)
+                continue
+        except OSError:
+            continue
+        walk(root)
+    return sorted(set(found))
+
+
+def remove_user_ipc(uid: int) -> int:
+    """Remove the SysV shared-memory segments, semaphore sets and message queues owned by ``uid`` (they outlive
+    every process: 15 segments of 64 MiB were left after a grading run); return how many."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return 0
+    IPC_RMID = 0
+    removed = 0
+    for kind, remove in (("shm", lambda i: libc.shmctl(i, IPC_RMID, None)),
+                         ("sem", lambda i: libc.semctl(i, 0, IPC_RMID)),
+                         ("msg", lambda i: libc.msgctl(i, IPC_RMID, None))):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = [line.split() for line in f]
+        except (OSError, ValueError):
+            continue
+        id_col, uid_col = 1, header.index("uid") if "uid" in header else None
+        if uid_col is None:
+            continue
+        for row in rows:
+            try:
+                if int(row[uid_col]) == uid and remove(int(row[id_col])) == 0:
+                    removed += 1
+            except (IndexError, ValueError):
+                continue
+    return removed
+
+
 def _rank_user_uid() -> int | None:
     user = os.environ.get("FSDP_RANK_USER", "").strip()
     if not user or os.geteuid() != 0:

@@ -45,6 +45,8 @@ CLIP = "test_clip_grad_norm_uses_the_global_norm"
 RS_AVG = "test_reduce_scatter_averages_over_ranks"
 RESHARDED = "test_units_are_resharded_after_forward_and_backward"
 SIBLING = "test_tie_across_sibling_units_is_rejected"
+TIE_ONCE = "test_tied_weights_are_updated_once"
+FORGERY_CAUGHT = r"must own exactly the parameters of its subtree"  # the evidence of sharding, checked in the parent
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class Case:
     memory_mb: int = 256
     needs_rank_user: bool = False     # only meaningful when rank bodies run as another user
     forged_results: bool = False      # the submission writes a fake results.json
+    stub_forgery: str = ""            # built from the stubs, plus STUB_FORGERY in this variant (no reference code)
 
 
 def _insert(task: int, anchor: str, code: str) -> tuple:
@@ -130,11 +133,12 @@ CASES: list[Case] = [
                         "    import subprocess\n    subprocess.Popen(['sleep', '600'], start_new_session=True)\n"),),
          select=f"{SIBLING}", fine=(SIBLING,), needs_rank_user=True),
     # Issue 14: forged passes, leaks of hidden tests, isolation, messages.
-    Case("forged_pass", "walks the stack to the harness's rank main, takes the nonce and the result connection, "
-         "sends 'ok' with a result of its own and leaves (the forgery that scored a stub 8.02)",
+    Case("forged_pass", "walks the stack to the harness's rank main, takes the result connection (and the nonce "
+         "it once held), sends 'ok' with a result of its own and leaves (the forgery that scored a stub 8.02)",
          edits=(_insert(3, UNSHARD_START, "    _zoo_forge_pass()\n"),),
          select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
-         message=r"rank \d of 2 (exited with code 0 without reporting a result|sent a message that is not a valid)"),
+         message=r"rank \d of 2 (exited with code 0 without reporting a result|announced a report of \d+ bytes|"
+                 r"sent a report the parent cannot read|ended in the middle of its report)"),
     Case("output_link", "replaces its own output file with a link to a hidden test module, then fails",
          edits=(_insert(3, UNSHARD_START, "    _zoo_swap_output('link')\n"),),
          select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
@@ -155,6 +159,44 @@ CASES: list[Case] = [
                         "        _zoo[-1].write(b'x' * (64 << 20))\n"),),
          select=f"{CLIP} or {TIED_2}", broken=(CLIP,), fine=(TIED_2,), memory_mb=256,
          message=r"rank \d of \d+ raised (OSError|MemoryError)(?s:.*)out of memory"),
+    # Issue 18: the stubs forgery in three variants (each claims success with the single-process, data-parallel
+    # answer: values right, no sharding), and correct code that the old in-rank guard failed.
+    Case("forged_stub_save", "stubs + wraps torch.serialization._save so a failed report becomes 'ok' with the "
+         "single-process answer (scored 0.53 on this test against the old nonce/HMAC harness)",
+         stub_forgery="save", select=TIE_ONCE, broken=(TIE_ONCE,), message=FORGERY_CAUGHT),
+    Case("forged_stub_pipe", "stubs + writes a report with the single-process answer straight into the result pipe "
+         "and exits 0 (the heap-read variant, without a secret to read)",
+         stub_forgery="pipe", select=TIE_ONCE, broken=(TIE_ONCE,), message=FORGERY_CAUGHT),
+    Case("forged_stub_subinterpreter", "stubs + the same report written with ctypes from a subinterpreter",
+         stub_forgery="subinterpreter", select=TIE_ONCE, broken=(TIE_ONCE,), message=FORGERY_CAUGHT),
+    Case("escapes", "raises with terminal escapes, an OSC hyperlink and a carriage return before a fake verdict",
+         edits=(_insert(3, UNSHARD_START,
+                        "    raise RuntimeError('zoo\\x1b[2K\\x1b[32m PASSED \\x1b]8;;http://x\\x07y\\x1b]8;;\\x07'\n"
+                        "                       '\\r1 passed')\n"),),
+         select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
+         message=r"raised RuntimeError: zoo PASSED y(?s:.*)RuntimeError: zoo PASSED y\\r1 passed"),
+    Case("ipc_and_lock_leftovers", "leaves a System V shared-memory segment, a semaphore set and a file in /run/lock "
+         "(results correct)",
+         edits=(_insert(7, "    if isinstance(module, FSDPModule):\n",
+                        "    import ctypes, os\n    _libc = ctypes.CDLL(None)\n"
+                        "    _libc.shmget(0, 1 << 20, 0o1600)\n    _libc.semget(0, 1, 0o1600)\n"
+                        "    for _d in ('/run/lock', '/var/lock', '/dev/shm'):\n"
+                        "        try:\n            open(os.path.join(_d, f'zoo-{os.getpid()}'), 'w').close()\n"
+                        "        except OSError:\n            pass\n"),),
+         select=f"{SIBLING}", fine=(SIBLING,), needs_rank_user=True),
+    Case("debugging_leftovers", "correct code that calls gc.get_objects(), sys._current_frames() and malloc_trim "
+         "through ctypes (the old guard closed the result channel: 28.74 of 100)",
+         edits=(_insert(3, UNSHARD_START, "    import ctypes, gc, sys\n    gc.get_objects()\n"
+                                          "    sys._current_frames()\n    ctypes.CDLL(None).malloc_trim(0)\n"),),
+         select=f"{GRAD_2} or {TIED_2}", fine=(GRAD_2, TIED_2)),
+    Case("chdir_at_import", "correct code that changes directory and sys.path when its module is imported",
+         edits=((1, "import torch\n", "import os, sys\nos.chdir('/')\nsys.path[:] = [p for p in sys.path if p]"
+                                       "\nsys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))\n"
+                                       "import torch\n"),),
+         select=f"{GRAD_2} or {TIED_2} or test_training_matches_single_process_and_torch_fsdp2[gloo-2] or "
+                f"test_meta_init_then_training_matches_eager",
+         fine=(GRAD_2, TIED_2, "test_training_matches_single_process_and_torch_fsdp2[gloo-2]",
+               "test_meta_init_then_training_matches_eager")),
 ]
 
 ISSUE14_HELPERS = '''
@@ -213,8 +255,168 @@ def _zoo_forge():
             pass
 '''
 
+# Issue 18: the stubs forgery. A stub submission that claims success with the single-process, data-parallel
+# answer: it re-runs the test's body on an unsharded API and makes that the rank's report, three ways.
+STUB_FORGERY = '''
+
+# ---- zoo: the stubs forgery (issue 18 item 1) -------------------------------------------------------------
+_ZOO_VARIANT = "{variant}"
+
+
+def _zoo_single_process_api():
+    """Point adapters' integration API at single-process, data-parallel code (nothing sharded)."""
+    import sys as _sys
+    import torch as _t
+    import torch.distributed as _d
+    adapters = _sys.modules["adapters"]
+
+    def average(params):
+        for p in params:
+            if p.grad is not None and not getattr(p.grad, "_zoo_avg", False):
+                _d.all_reduce(p.grad, op=_d.ReduceOp.AVG)
+                p.grad._zoo_avg = True
+
+    def get_sharded_optimizer(module, optimizer_cls, **kwargs):
+        params = [p for p in module.parameters() if p.requires_grad]
+        opt = optimizer_cls(params, **kwargs)
+        step = opt.step
+
+        def averaged_step(*a, **k):
+            average(params)
+            return step(*a, **k)
+        opt.step = averaged_step
+        return opt
+
+    def clip_grad_norm_(module, max_norm):
+        params = [p for p in module.parameters() if p.grad is not None]
+        average(params)
+        return _t.nn.utils.clip_grad_norm_(params, max_norm)
+
+    adapters.fully_shard = lambda module, **kw: module
+    adapters.gather_full_params = lambda module: {n: p.detach().clone()
+                                                  for n, p in module.named_parameters(remove_duplicate=False)}
+    adapters.get_sharded_optimizer = get_sharded_optimizer
+    adapters.clip_grad_norm_ = clip_grad_norm_
+
+
+def _zoo_run_body_single_process():
+    """The body of the run this rank is in, re-run on the single-process API: (rank, result) or None."""
+    import pickle as _pickle
+    import sys as _sys
+    f = _sys._getframe()
+    while f is not None and not isinstance(f.f_locals.get("config"), dict):
+        f = f.f_back
+    if f is None:
+        return None
+    config = f.f_locals["config"]
+    harness = _sys.modules.get("tests.harness") or _sys.modules.get("harness")
+    _zoo_single_process_api()
+    body = harness._find_body(config["body_ref"])
+    return body(config["rank"], config["world_size"], *_pickle.loads(config["args_blob"]))
+
+
+def _zoo_report(result):
+    import io as _io
+    import torch as _t
+    buf = _io.BytesIO()
+    _t.save({"kind": "result", "status": "ok", "result": result}, buf)
+    return buf.getvalue()
+
+
+def _zoo_result_fds():
+    """The harness's result pipe: a local of its rank main (or, failing that, every write-only pipe)."""
+    import os as _os
+    import sys as _sys
+    f = _sys._getframe()
+    while f is not None:
+        conn = f.f_locals.get("conn")
+        if hasattr(conn, "fileno"):
+            try:
+                return [conn.fileno()]
+            except (OSError, ValueError):
+                pass
+        f = f.f_back
+    fds = []
+    for name in _os.listdir("/proc/self/fd"):
+        try:
+            with open(f"/proc/self/fdinfo/{name}") as info:
+                flags = int(next(line for line in info if line.startswith("flags:")).split()[1], 8)
+            if _os.readlink(f"/proc/self/fd/{name}").startswith("pipe:") and flags & 3 == 1:
+                fds.append(int(name))
+        except (OSError, StopIteration, ValueError):
+            pass
+    return fds
+
+
+def _zoo_install():
+    import os as _os
+    import sys as _sys
+    if _sys.modules.get("_zoo_installed"):
+        return
+    _sys.modules["_zoo_installed"] = _sys
+    if _ZOO_VARIANT == "save":
+        # Variant 1: wrap torch.serialization._save, which the harness's own report goes through, and turn a
+        # failed report into a success carrying the single-process answer.
+        import torch.serialization as _ser
+        real = _ser._save
+        real_exit = _os._exit
+        _os._exit = lambda code: real_exit(0)  # and the exit code the harness picks after a failure
+
+        def _save(obj, *a, **k):
+            if isinstance(obj, dict) and (obj.get("status") not in (None, "ok") or obj.get("kind") == "error"):
+                try:
+                    result = _zoo_run_body_single_process()
+                    obj = {"kind": "result", "status": "ok", "result": result}
+                except BaseException:
+                    pass
+            return real(obj, *a, **k)
+        _ser._save = _save
+        return
+    # Variants 2 and 3: compute the answer now and write a report straight into the result pipe, then leave.
+    # (Against the old harness they first had to read the guard's nonce from the heap: numpy's
+    # __array_interface__, or ctypes in a subinterpreter, where the audit hook does not look.)
+    length_prefixed = None
+    try:
+        payload = _zoo_report(_zoo_run_body_single_process())
+        length_prefixed = len(payload).to_bytes(8, "big") + payload
+    except BaseException:
+        return
+    for fd in _zoo_result_fds():
+        if _ZOO_VARIANT == "pipe":
+            try:
+                _os.write(fd, length_prefixed)
+            except OSError:
+                pass
+        else:  # "subinterpreter": ctypes' write(2), from a subinterpreter
+            import _xxsubinterpreters as _interp
+            interp = _interp.create()
+            code = ("import ctypes\\n"
+                    f"data = {length_prefixed!r}\\n"
+                    f"ctypes.CDLL(None).write({fd}, data, len(data))\\n")
+            try:
+                _interp.run_string(interp, code)
+            except Exception:
+                pass
+    _sys.stdout.flush()
+    _os._exit(0)
+
+
+_zoo_install()
+'''
+
+
+def stub_files(root: Path = ROOT) -> dict[str, str]:
+    """``fsdp_assignment/taskN_*.py`` -> the stub (what a student starts from)."""
+    return {f"fsdp_assignment/{name}": (root / "fsdp_assignment" / name).read_text()
+            for name in mutations.TASK_FILES.values()}
+
 
 def case_files(case: Case, root: Path = ROOT) -> dict[str, str]:
+    if case.stub_forgery:
+        files = stub_files(root)
+        for rel in files:
+            files[rel] += STUB_FORGERY.replace("{variant}", case.stub_forgery)
+        return files
     files = mutations.reference_student_files(root)
     for task, old, new in case.edits:
         rel = f"fsdp_assignment/{mutations.TASK_FILES[task]}"
@@ -237,7 +439,7 @@ def hidden_lines(root: Path = ROOT) -> set[str]:
                 if len(line.strip()) >= 40}
     public = lines_of([p for p in (root / "tests").rglob("*.py") if "hidden" not in p.parts]
                       + list((root / "fsdp_assignment").rglob("*.py")))
-    return lines_of((root / "tests" / "hidden").glob("test_*.py")) - public
+    return lines_of((root / "tests" / "hidden").rglob("*.py")) - public
 
 
 # ---- hanging submissions graded in full: a hang costs only the tests that reach it (issue 8) ---------------
@@ -361,6 +563,31 @@ def tagged_processes(tag: str) -> list[tuple[int, str]]:
     return found
 
 
+def leftovers_of(user: str) -> list[str]:
+    """What the rank user still owns after a grading run: System V IPC objects, files in world-writable places."""
+    import pwd
+    from grading_plugin import world_writable_places
+    uid = pwd.getpwnam(user).pw_uid
+    problems = []
+    for kind in ("shm", "sem", "msg"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = [line.split() for line in f]
+        except OSError:
+            continue
+        left = sum(int(r[header.index("uid")]) == uid for r in rows)
+        if left:
+            problems.append(f"{left} System V {kind} object(s) of {user} left after grading")
+    for place in world_writable_places():
+        try:
+            mine = [e.path for e in os.scandir(place) if e.stat(follow_symlinks=False).st_uid == uid]
+        except OSError:
+            continue
+        if mine:
+            problems.append(f"files of {user} left in {place}: {mine[:5]}")
+    return problems
+
+
 def kill_tagged(tag: str) -> None:
     for pid, _ in tagged_processes(tag):
         try:
@@ -396,7 +623,7 @@ def run_case(case: Case, workdir: Path, *, rank_user: str = "none", root: Path =
     if rank_user != "none":
         from grade import lock_down
         lock_down(tree)
-        os.chmod(results_dir, 0o755)
+        os.chmod(results_dir, 0o700)
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     seconds = time.monotonic() - start
@@ -404,6 +631,8 @@ def run_case(case: Case, workdir: Path, *, rank_user: str = "none", root: Path =
     out = Result(case, seconds, grader_output=proc.stdout[-6000:] + proc.stderr[-2000:])
     out.survivors = tagged_processes(tag)
     kill_tagged(tag)
+    if rank_user != "none":
+        out.problems += leftovers_of(rank_user)
     if out.survivors:
         out.problems.append(f"processes survived the run: {out.survivors}")
     if "the grading run exceeded" in proc.stdout:
@@ -423,6 +652,11 @@ def run_case(case: Case, workdir: Path, *, rank_user: str = "none", root: Path =
         out.problems.append("results.json lists no tests")
     if data.get("output") == "forged" or any("forged" in t.get("output", "") for t in tests):
         out.problems.append("the forged results.json survived")
+    for t in [data] + tests:
+        if re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", t.get("output", "")):
+            out.problems.append(f"{t.get('name', 'top-level output')}: control characters or escapes in the output")
+    if re.search(r"[\x00-\x08\x0b-\x1f\x7f]", proc.stdout):
+        out.problems.append("control characters or escapes in the grading log")
     secret = hidden_lines(root)
     for t in tests:
         if t.get("visibility") == "visible":

@@ -4,37 +4,11 @@ an evaluation forward under torch.no_grad(), are Task 4's hidden tests: they nee
 from __future__ import annotations
 
 import pytest
-import torch
 
-from fsdp_assignment.support.memory import LiveStorageTracker
-from fsdp_assignment.support.models import GPT, GPTConfig
-from fsdp_assignment.support.state import fsdp_units
 from tests.harness import run_ranks
-from tests.public.common import hand_shard_gpt, local_batch
+from tests.hidden.scenarios.task3 import _memory  # noqa: F401 (what the ranks run)
 
 pytestmark = pytest.mark.task3
-
-CFG = GPTConfig()
-
-
-def _memory(rank, world_size):
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    hand_shard_gpt(model, hooks=3)
-    units = fsdp_units(model)
-    block_bytes = [sum(fp.padded_numel * fp.unsharded.element_size() for fp in u.flat_params)
-                   for u in units if not u.is_root]
-    root_bytes = sum(fp.padded_numel * fp.unsharded.element_size() for u in units if u.is_root for fp in u.flat_params)
-    idx, _ = local_batch(CFG, rank, world_size, step=0)
-    with LiveStorageTracker(device="cpu") as mem:
-        mem.track(model)  # the shards (and buffers): counted from the start, so what follows is on top of them
-        base = mem.current_bytes
-        with torch.no_grad():
-            logits = model(idx)
-        logits_bytes = logits.untyped_storage().nbytes()
-        after_forward = mem.current_bytes - base
-    return {"after_forward": after_forward, "block_bytes": block_bytes, "root_bytes": root_bytes,
-            "logits_bytes": logits_bytes}
 
 
 @pytest.mark.weight(3)

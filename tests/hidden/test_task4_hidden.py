@@ -8,83 +8,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
-import adapters
-from fsdp_assignment.support.memory import LiveStorageTracker
-from fsdp_assignment.support.models import GPT, GPTConfig, ScaledResidual, ToyMLP, gpt_batch, gpt_loss
-from fsdp_assignment.support.state import fsdp_units
+from fsdp_assignment.support.models import GPT, ToyMLP, gpt_batch, gpt_loss
 from tests.harness import run_ranks
-from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard, hand_shard,
-                                 hand_shard_gpt, local_batch, unsharded_storage_sizes)
+from tests.public.common import assert_close, check_flat_params, expected_shard
 from tests.public.test_task4_backward import check_lora, lora_run
+from tests.hidden.scenarios.task4 import (  # what the ranks run
+    CFG,
+    TwiceAndDetached,
+    UsesOneOutput,
+    _backward_memory,
+    _eval_then_train,
+    _inputs,
+    _multi_output_inputs,
+    _twice_and_detached,
+    _two_backwards,
+)
 
 pytestmark = pytest.mark.task4
 
-BATCH = 4  # per rank
-CFG = GPTConfig()
-
-
-def _inputs(world_size: int, step: int) -> torch.Tensor:
-    return torch.randn(BATCH * world_size, 13, generator=torch.Generator().manual_seed(10 + step))
-
-
-class TwoOutputs(nn.Module):
-    """A unit whose forward returns two tensors (and a non-tensor); the caller decides which one it uses."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(6, 6)
-        self.b = nn.Linear(6, 6)
-
-    def forward(self, x):
-        return self.a(x), self.b(x), "tag"
-
-
-class UsesOneOutput(nn.Module):
-    def __init__(self, use: int):
-        super().__init__()
-        self.use = use
-        self.pre = nn.Linear(5, 6)
-        self.two = TwoOutputs()
-        self.head = nn.Linear(6, 2)
-
-    def forward(self, x):
-        outputs = self.two(torch.tanh(self.pre(x)))
-        return self.head(outputs[self.use])  # the loss depends on this output only
-
 
 MULTI_UNITS = ["two.", ""]
-
-
-def _multi_output_inputs(world_size: int) -> torch.Tensor:
-    return torch.randn(BATCH * world_size, 5, generator=torch.Generator().manual_seed(5))
-
-
-def _multi_output(rank, world_size):
-    out = {}
-    for use in (0, 1):
-        torch.manual_seed(use)
-        model = UsesOneOutput(use)
-        hand_shard(model, [model.two, model])
-        x = _multi_output_inputs(world_size)[BATCH * rank:BATCH * (rank + 1)]
-        model(x).pow(2).mean().backward()
-        out[use] = {"flat": describe_flat_params(model, grads=True), "sizes": unsharded_storage_sizes(model)}
-    return out
-
-
-def _two_backwards(rank, world_size):
-    torch.manual_seed(0)
-    model = ToyMLP(with_unused=True)
-    # Nested units (inner, then its block), the never-used head `unused` as a unit of its own, then the root.
-    units = [m for b in model.blocks for m in (b.inner, b)] + [model.unused, model]
-    hand_shard(model, units)
-    for step in range(2):  # no zero_grad: the second backward adds to the first one's gradients
-        x = _inputs(world_size, step)[BATCH * rank:BATCH * (rank + 1)]
-        model(x).pow(2).mean().backward()
-    full_grads_alive = sum(fp.unsharded.grad is not None for u in adapters.fsdp_units(model) for fp in u.flat_params)
-    return {"flat": describe_flat_params(model, grads=True), "sizes": unsharded_storage_sizes(model),
-            "full_grads_alive": full_grads_alive, "multi_output": _multi_output(rank, world_size)}
 
 
 @pytest.mark.weight(3)
@@ -138,26 +82,6 @@ def test_gradients_accumulate_over_backward_passes():
                 f"{where}: units still unsharded after backward: {got['sizes']}"
 
 
-def _backward_memory(rank, world_size):
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    hand_shard_gpt(model)
-    units = fsdp_units(model)
-    block_bytes = [sum(fp.padded_numel * fp.unsharded.element_size() for fp in u.flat_params)
-                   for u in units if not u.is_root]
-    grad_shard_bytes = sum(fp.shard_numel * fp.shard.element_size() for u in units for fp in u.flat_params
-                           if fp.shard.requires_grad)
-    idx, tgt = local_batch(CFG, rank, world_size, step=0)
-    with LiveStorageTracker(device="cpu") as mem:
-        mem.track(model)  # the shards (and buffers): counted from the start, so what follows is on top of them
-        base = mem.current_bytes
-        loss = gpt_loss(model, idx, tgt)
-        loss.backward()
-        del loss
-        after_backward = mem.current_bytes - base
-    return {"after_backward": after_backward, "block_bytes": block_bytes, "grad_shard_bytes": grad_shard_bytes}
-
-
 @pytest.mark.weight(3)
 def test_backward_really_frees_full_parameters_and_gradients():
     for rank, got in enumerate(run_ranks(_backward_memory, 2)):
@@ -166,20 +90,6 @@ def test_backward_really_frees_full_parameters_and_gradients():
         assert got["after_backward"] <= bound, (
             f"rank {rank}: {got['after_backward']} bytes alive after backward; expected about the gradient shards "
             f"({got['grad_shard_bytes']}): full parameters or full gradients were not freed")
-
-
-def _eval_then_train(rank, world_size):
-    out = {}
-    for reshard_after_forward in (True, False):
-        torch.manual_seed(0)
-        model = GPT(CFG)
-        hand_shard_gpt(model, reshard_after_forward=reshard_after_forward)  # Task 4's hooks
-        idx, tgt = local_batch(CFG, rank, world_size, step=0)
-        with torch.no_grad():
-            model(idx)  # evaluation: views made now carry no autograd history
-        gpt_loss(model, idx, tgt).backward()
-        out[reshard_after_forward] = describe_flat_params(model, grads=True)
-    return out
 
 
 @pytest.mark.weight(3)
@@ -212,33 +122,6 @@ def test_frozen_embedding_and_a_fully_frozen_unit():
     one AdamW step equal one process, one non-root unit unsharded at a time during backward, none after."""
     world_size = 3
     check_lora(run_ranks(lora_run, world_size, 4, False, True, 2), world_size, freeze_embedding=True, frozen_block=2)
-
-
-class TwiceAndDetached(nn.Module):
-    """A unit run twice in one forward (``shared``) and a unit whose output is detached (``side``: it runs forward
-    but autograd never reaches it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Linear(13, 29)
-        self.shared = ScaledResidual(29, 37)
-        self.side = nn.Linear(29, 29)
-        self.head = nn.Linear(29, 7)
-
-    def forward(self, x):
-        h = self.shared(self.shared(self.embed(x)))
-        return self.head(h + self.side(h).detach())
-
-
-def _twice_and_detached(rank, world_size):
-    torch.manual_seed(0)
-    model = TwiceAndDetached()
-    hand_shard(model, [model.shared, model.side, model])
-    x = _inputs(world_size, 0)[BATCH * rank:BATCH * (rank + 1)]
-    model(x).pow(2).mean().backward()
-    return {"flat": describe_flat_params(model, grads=True), "sizes": unsharded_storage_sizes(model),
-            "full_grads_alive": sum(fp.unsharded.grad is not None for u in adapters.fsdp_units(model)
-                                    for fp in u.flat_params)}
 
 
 def test_unit_run_twice_and_detached_output():

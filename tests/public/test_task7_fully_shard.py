@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import adapters
@@ -159,28 +158,46 @@ def test_nested_units_own_each_parameter_once():
 def _tied(rank, world_size):
     torch.manual_seed(0)
     model = TiedModel()
+    log = use_counted_collectives(late=True)  # None under NCCL
     for layer in model.layers:
         adapters.fully_shard(layer)
     adapters.fully_shard(model)
     optim = adapters.get_sharded_optimizer(model, torch.optim.SGD, lr=0.5)
     idx = torch.randint(0, 23, (3 * world_size, 5), generator=torch.Generator().manual_seed(2))[3 * rank:3 * (rank + 1)]
+    start = log.mark() if log else 0
     optim.zero_grad()
     model(idx).logsumexp(-1).mean().backward()
     optim.step()
-    return adapters.gather_full_params(model)
+    trained = log.mark() if log else 0
+    # The values, and the evidence that they came from shards: each unit's FlatParameter, what this rank
+    # holds, and what it communicated to train.
+    return {"full": adapters.gather_full_params(model), "flat": describe_flat_params(model),
+            "shard_numels": [p.numel() for p in model.parameters()],
+            "calls": log.since(start)[:trained - start] if log else None}
 
 
 def test_tied_weights_are_updated_once():
     world_size = 2
-    got = run_ranks(_tied, world_size)[0]
+    results = run_ranks(_tied, world_size)
     torch.manual_seed(0)
     model = TiedModel()
     idx = torch.randint(0, 23, (3 * world_size, 5), generator=torch.Generator().manual_seed(2))
     optim = torch.optim.SGD(model.parameters(), lr=0.5)
     model(idx).logsumexp(-1).mean().backward()
     optim.step()
-    for name, p in full_params_of(model).items():
-        assert_close(got[name], p, f"{name} (tied weights)")
+    full, units = full_params_of(model), ["layers.0.", "layers.1.", ""]
+    for rank, got in enumerate(results):
+        where = f"rank {rank}"
+        for name, p in full.items():
+            assert_close(got["full"][name], p, f"{where}: {name} (tied weights)")
+        # Values alone could come from unsharded training: the tied weight must also live once, in the root's
+        # shards, and every shard hold the parent's values after the step.
+        check_flat_params(got["flat"], model, units, where)
+        for desc in got["flat"]:
+            unit = desc["prefix"] or "<root>"
+            assert_close(desc["shard"], expected_shard(desc, full), f"{where}: shard of unit '{unit}'")
+        if got["calls"] is not None:
+            check_sharded_training(got["calls"], got["shard_numels"], model, units, world_size, 1, where)
 
 
 def tie_rejection(first, second):

@@ -210,3 +210,124 @@ def test_the_rank_user_cannot_swap_the_files_the_grader_reads_back(monkeypatch, 
     message = str(info.value)
     assert "rank 0 of 1 raised RuntimeError: rank 0 swapped=False" in message, message
     assert "never in a visible message" not in message
+
+
+@pytest.mark.slow  # walks the whole file system (seconds)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_every_world_writable_place_on_the_image_is_cleaned():
+    """Issue 18: every directory on the image where the rank user may write is found by the plugin's shallow
+    walk (none lies deeper), and what the rank user leaves in each is removed."""
+    import pwd
+    import subprocess
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
+    from grading_plugin import remove_user_files, world_writable_places
+    shallow = world_writable_places()
+    everywhere = world_writable_places(depth=None)
+    missed = [p for p in everywhere if not any(p == s or p.startswith(s.rstrip("/") + "/") for s in shallow)]
+    assert not missed, f"world-writable directories deeper than the plugin looks: {missed}"
+    entry = pwd.getpwnam("nobody")
+    python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+    for place in shallow:
+        name = os.path.join(place, f"fsdp-leftover-{os.getpid()}")
+        made = subprocess.run([python, "-c", f"open({name!r}, 'w').write('x')"], user=entry.pw_uid,
+                              group=entry.pw_gid, extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"})
+        if made.returncode != 0:
+            continue  # o+w, but not for this user (an ACL, a read-only mount)
+        remove_user_files(entry.pw_uid, tuple(shallow))
+        assert not os.path.lexists(name), f"{name} (left by the rank user) was not removed"
+
+
+_MAKE_SHM = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+IPC_PRIVATE, IPC_CREAT = 0, 0o1000
+ids = [libc.shmget(IPC_PRIVATE, 1 << 20, IPC_CREAT | 0o600), libc.semget(IPC_PRIVATE, 1, IPC_CREAT | 0o600),
+       libc.msgget(IPC_PRIVATE, IPC_CREAT | 0o600)]
+assert min(ids) >= 0, ids
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_the_rank_users_sysv_ipc_objects_are_removed():
+    import pwd
+    import subprocess
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
+    from grading_plugin import remove_user_ipc
+
+    def owned(uid: int) -> int:
+        count = 0
+        for kind in ("shm", "sem", "msg"):
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = [line.split() for line in f]
+            count += sum(int(r[header.index("uid")]) == uid for r in rows)
+        return count
+    entry = pwd.getpwnam("nobody")
+    python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+    made = subprocess.run([python, "-c", _MAKE_SHM], user=entry.pw_uid, group=entry.pw_gid, extra_groups=[],
+                          cwd="/", env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"System V IPC is not available here: {made.stderr[-300:]}")
+    assert owned(entry.pw_uid) >= 3
+    assert remove_user_ipc(entry.pw_uid) >= 3
+    assert owned(entry.pw_uid) == 0
+
+
+_HOG = """
+import os, sys, time
+kind = sys.argv[1]
+if kind == "children":  # several processes, each under any per-process limit
+    for _ in range(3):
+        if os.fork() == 0:
+            block = bytearray(80 << 20)
+            for i in range(0, len(block), 4096):
+                block[i] = 1
+            time.sleep(60)
+            os._exit(0)
+else:  # files on tmpfs, mapped by nobody
+    with open(sys.argv[2], "wb") as f:
+        for _ in range(24):
+            f.write(b"x" * (10 << 20))
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+@pytest.mark.parametrize("kind", ["children", "tmpfs"])
+def test_the_rank_users_memory_is_bounded_all_together(kind):
+    """Issue 18: the grading process counts all of the rank user's memory (processes' Pss, tmpfs files, SysV
+    shared memory) and kills every process of the user past the limit."""
+    import pwd
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
+    from grading_plugin import kill_everything_of, processes_of, remove_user_files
+    from student_limits import MemoryWatch, tmpfs_mounts
+    entry = pwd.getpwnam("nobody")
+    if processes_of(entry.pw_uid):
+        pytest.skip("processes of 'nobody' already run on this machine; not killing them")
+    if kind == "tmpfs" and "/dev/shm" not in tmpfs_mounts():
+        pytest.skip("/dev/shm is not a tmpfs here")
+    python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+    watch = MemoryWatch(entry.pw_uid, 150 << 20, ["/dev/shm"], kill_everything_of)
+    watch.start()
+    hog = subprocess.Popen([python, "-c", _HOG, kind, f"/dev/shm/fsdp-hog-{os.getpid()}"], user=entry.pw_uid,
+                           group=entry.pw_gid, extra_groups=[], cwd="/", env={"PATH": "/usr/bin:/bin"},
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while hog.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        note = watch.stop()
+        assert hog.returncode == -9, "the user's processes were not killed at the limit"
+        assert note and "were all killed" in note, note
+        assert processes_of(entry.pw_uid) == []
+    finally:
+        watch.stop()
+        kill_everything_of(entry.pw_uid)
+        remove_user_files(entry.pw_uid, ("/dev/shm",))

@@ -1,0 +1,96 @@
+"""Task 1 hidden scenarios: what runs in the ranks (see tests/hidden/scenarios/__init__.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import adapters
+from fsdp_assignment.support.models import ToyMLP
+
+
+class TiedMiddle(nn.Module):
+    """A tied weight whose later owner (``proj``) sits in the middle of the init order: the numbers its eager
+    init consumed decide the values of every module after it."""
+
+    def __init__(self, vocab: int = 17, dim: int = 7):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.proj = nn.Linear(dim, vocab, bias=False)
+        self.proj.weight = self.embed.weight
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, 5)
+
+    def forward(self, idx):
+        return self.out(torch.tanh(self.mix(self.embed(idx))))
+
+
+class BufferOnly(nn.Module):
+    """Owns a buffer and no parameter (a fixed table, a running statistic); its init draws random numbers, so
+    its place in the init order matters too."""
+
+    def __init__(self, dim: int = 7):
+        super().__init__()
+        self.register_buffer("table", torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.table.normal_()
+
+    def forward(self, x):
+        return x + self.table
+
+
+class WithBufferOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 7)
+        self.pos = BufferOnly(7)
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.pos(self.inp(x))))
+
+
+MODELS = {"nested_toy": lambda: ToyMLP(with_unused=True), "tied_middle": TiedMiddle, "buffer_only": WithBufferOnly}
+
+
+def _materialize(rank, world_size, seed):
+    out = {}
+    for name, make in MODELS.items():
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = make()
+        adapters.materialize_meta_module(model, "cpu")
+        after = torch.rand(4)  # where the generator ended
+        buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+        params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+        out[name] = {"params": params, "after": after, "buffers": buffers,
+                     "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+                     "tied": name != "tied_middle" or model.proj.weight is model.embed.weight,
+                     "meta_left": [n for n, t in model.state_dict().items() if t.is_meta]}
+    return out
+
+
+class NoReset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+
+class HasNoReset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.odd = NoReset()
+
+
+def _no_reset(rank, world_size):
+    with torch.device("meta"):
+        model = HasNoReset()
+    try:
+        adapters.materialize_meta_module(model, "cpu")
+    except TypeError as e:
+        return {"raised": "TypeError", "message": str(e)}
+    return {"raised": None, "message": ""}
