@@ -63,7 +63,8 @@ def check_monitor(report: dict, model: nn.Module, world_size: int, where: str, *
     """Check every invariant above on one rank's ``Monitor.report()``, against the parent's ``model`` (as it
     was before sharding: same names, same ``requires_grad``). ``collectives=False`` leaves out the three
     collective invariants, for scripts whose forward runs a unit twice or whose loss skips some units (each
-    correct implementation may then gather or reduce differently)."""
+    correct implementation may then gather or reduce differently). ``bounded=False`` leaves out the bound on
+    unsharded units (the differential runs use it for a unit run twice with prefetching)."""
     units = report["units"]
     groups = _unit_layout(model, units, world_size, layout)
     depth = _depth(units)
