@@ -42,6 +42,13 @@ import mutations  # noqa: E402  (student_form, reference_student_files, stage_tr
 
 TIMES = HERE / "test_times.json"
 
+# Graded tests that test_times.json does not list yet (added after its last measurement), with the task functions
+# they call and a rough time; test_times.json's own entry wins once it is regenerated.
+NEW_TESTS: dict[str, dict] = {
+    "tests/hidden/test_task1_mutant_kills.py::test_state_already_off_meta_is_kept":
+        {"seconds": 0.3, "calls": ["task1_meta_init.py:materialize_meta_module"]},
+}
+
 # Survivors judged equivalent (no observable behaviour changes), by mutant id, with the reason.
 EQUIVALENT: dict[str, str] = {}
 
@@ -125,7 +132,7 @@ def enumerate_mutants(files: list[str] | None = None) -> list[tuple[MachineMutan
 
 def tests_calling(mutant: MachineMutant) -> list[tuple[str, float]]:
     """The graded tests that call the mutant's function, cheapest first: (node id, measured seconds)."""
-    data = json.loads(TIMES.read_text())["tests"]
+    data = {**NEW_TESTS, **json.loads(TIMES.read_text())["tests"]}
     key = f"{mutant.file}:{mutant.function}"
     return sorted(((t, v["seconds"] or 1.0) for t, v in data.items() if key in v["calls"]), key=lambda x: x[1])
 
