@@ -46,7 +46,8 @@ def materialize_meta_module(module: nn.Module, device: torch.device | str) -> No
     or through a FlatParameter of its FSDP unit), give them storage on ``device``, call the module's
     ``reset_parameters()``, and, for parameters of a sharded unit, copy this rank's slice into the unit's
     shard and drop the full tensor. Raise a ``TypeError`` naming the module when it owns meta state but has
-    no ``reset_parameters()``. Call it with the same seed on every rank.
+    no ``reset_parameters()``. Call it with the same seed on every rank. Parameters and buffers that are
+    already off ``meta`` keep their values, and ``None`` buffers stay ``None``.
 
     A FlatParameter on ``meta`` (Task 2) is materialized whole: its ``shard`` becomes a zero-filled
     ``nn.Parameter`` on ``device`` and its ``unsharded`` an empty (storage size 0) tensor on ``device``, each

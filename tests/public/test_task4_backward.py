@@ -10,6 +10,8 @@ import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, LoRAConfig, LoRAModel, ToyMLP, gpt_batch, gpt_loss
 from tests.harness import run_ranks
 from tests.public.collectives import use_counted_collectives
+from tests.public.invariants import check_monitor
+from tests.public.monitor import Monitor
 from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard,
                                  full_params_of, hand_shard, hand_shard_gpt, local_batch, rank_device,
                                  unsharded_storage_sizes)
@@ -19,15 +21,18 @@ pytestmark = pytest.mark.task4
 
 def _gpt_backward(rank, world_size, reshard_after_forward):
     cfg = GPTConfig()
+    log = use_counted_collectives(late=True)  # None under NCCL
     torch.manual_seed(0)
     model = GPT(cfg).to(rank_device())
+    mon = Monitor(model, GPT_UNITS, log)  # the invariant monitor (tests/public/monitor.py)
     hand_shard_gpt(model, reshard_after_forward=reshard_after_forward)
+    mon.attach().setting(reshard_after_forward=reshard_after_forward)
     idx, tgt = local_batch(cfg, rank, world_size, step=0, device=rank_device())
-    gpt_loss(model, idx, tgt).backward()
+    mon.backward(gpt_loss(model, idx, tgt))
     full_grads_alive = [u.module.__class__.__name__ for u in adapters.fsdp_units(model)
                         for fp in u.flat_params if fp.unsharded.grad is not None]
     return {"flat": describe_flat_params(model, grads=True), "sizes": unsharded_storage_sizes(model),
-            "full_grads_alive": full_grads_alive}
+            "full_grads_alive": full_grads_alive, "monitor": mon.report()}
 
 
 def _single_process_grads(model, loss) -> dict[str, torch.Tensor]:
@@ -40,6 +45,8 @@ def _check_grad_shards(results, model, unit_prefixes, expected_grads, rtol=1e-5)
     """Every rank's gradient shards against single-process PyTorch. Which units exist, what each owns and
     which of its FlatParameters are trainable is decided from the parent's own ``model``."""
     for rank, got in enumerate(results):
+        if "monitor" in got:
+            check_monitor(got["monitor"], model, len(results), f"rank {rank}")
         trainable = check_flat_params(got["flat"], model, unit_prefixes, f"rank {rank}")
         for desc, is_trainable in zip(got["flat"], trainable):
             unit = desc["prefix"] or "<root>"

@@ -9,6 +9,9 @@ import torch.distributed as dist
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, gpt_batch, gpt_loss
 from tests.harness import run_ranks
+from tests.public.collectives import use_counted_collectives
+from tests.public.invariants import check_monitor
+from tests.public.monitor import Monitor
 from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard, full_params_of,
                                  hand_shard_gpt, local_batch, train_single_process)
 
@@ -29,21 +32,30 @@ def _sharded_model(seed=0):
     return model
 
 
-def _train(model, optim, rank, world_size, steps):
+def _train(model, optim, rank, world_size, steps, mon=None):
     for step in steps:
         idx, tgt = local_batch(CFG, rank, world_size, step)
         optim.zero_grad()
-        gpt_loss(model, idx, tgt).backward()
+        loss = gpt_loss(model, idx, tgt)
+        mon.backward(loss) if mon else loss.backward()
         optim.step()
+        if mon:
+            mon.after_step()
 
 
 def _optimizer_state(rank, world_size):
-    model = _sharded_model()
+    log = use_counted_collectives(late=True)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    mon = Monitor(model, GPT_UNITS, log)  # the invariant monitor (tests/public/monitor.py)
+    hand_shard_gpt(model)
+    mon.attach()
     optim = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=1e-2, eps=ADAM_EPS)
-    _train(model, optim, rank, world_size, range(1))
+    _train(model, optim, rank, world_size, range(1), mon)
     state_numel = sum(t.numel() for s in optim.state.values() for t in s.values()
                       if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return {"state_numel": state_numel, "full": adapters.get_model_state_dict(model, full=True)}
+    return {"state_numel": state_numel, "full": adapters.get_model_state_dict(model, full=True),
+            "monitor": mon.report()}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -52,6 +64,7 @@ def test_optimizer_state_is_sharded_and_one_adamw_step_matches(world_size):
     expected = train_single_process(CFG, world_size, 1, torch.optim.AdamW, lr=1e-2, eps=ADAM_EPS)
     trainable = sum(p.numel() for p in expected.parameters() if p.requires_grad)
     for rank, got in enumerate(results):
+        check_monitor(got["monitor"], expected, world_size, f"rank {rank}")
         target = 2 * trainable / world_size  # AdamW keeps exp_avg and exp_avg_sq
         assert abs(got["state_numel"] - target) <= 0.01 * target, \
             f"rank {rank}: optimizer state holds {got['state_numel']} elements, expected about {target:.0f} (1/W)"

@@ -10,6 +10,8 @@ from fsdp_assignment.support.models import GPT, GPTConfig, gpt_loss
 from tests.harness import run_ranks
 from tests.public.collectives import use_counted_collectives
 from tests.public.common import hand_shard_gpt, local_batch
+from tests.public.invariants import check_monitor
+from tests.public.monitor import Monitor
 from tests.public.test_task4_backward import check_checkpointing, check_lora, checkpointing_run, lora_run
 
 pytestmark = pytest.mark.task6
@@ -17,29 +19,42 @@ pytestmark = pytest.mark.task6
 CFG = GPTConfig(n_layer=4)
 
 
-def _train(rank, world_size, prefetch, steps=3):
+GPT_UNITS = [f"blocks.{i}." for i in range(CFG.n_layer)] + [""]  # hand_shard_gpt: the blocks, then the root
+
+
+def _train(rank, world_size, prefetch, steps=3, log=None, reports=None):
     torch.manual_seed(0)
     model = GPT(CFG)
+    mon = Monitor(model, GPT_UNITS, log)  # the invariant monitor (tests/public/monitor.py)
     root = hand_shard_gpt(model, hooks=6)
     root.shared.prefetch = prefetch
+    mon.attach().setting(prefetch=prefetch)
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
         idx, tgt = local_batch(CFG, rank, world_size, step)
         optim.zero_grad()
-        gpt_loss(model, idx, tgt).backward()
+        mon.backward(gpt_loss(model, idx, tgt))
         optim.step()
+        mon.after_step()
+    if reports is not None:
+        reports.append(mon.report())
     return model
 
 
 def _bitwise(rank, world_size):
     # Collectives finish late (their outputs hold NaN until wait()), as on a GPU: a prefetched all-gather or an
     # asynchronous reduce-scatter used before its handle is waited on changes the numbers here.
-    use_counted_collectives(late=True)
-    return {p: [prm.detach().clone() for prm in _train(rank, world_size, p).parameters()] for p in (False, True)}
+    log, reports = use_counted_collectives(late=True), []
+    out = {p: [prm.detach().clone() for prm in _train(rank, world_size, p, log=log, reports=reports).parameters()]
+           for p in (False, True)}
+    return {**out, "monitors": reports}
 
 
 def test_prefetch_changes_no_number():
+    model = GPT(CFG)
     for rank, got in enumerate(run_ranks(_bitwise, 2)):
+        for report, prefetch in zip(got["monitors"], (False, True)):
+            check_monitor(report, model, 2, f"rank {rank}, prefetch={prefetch}")
         for off, on in zip(got[False], got[True]):
             assert not on.isnan().any(), (
                 f"rank {rank}: NaN in the parameters with prefetching on. In this test a collective's output holds NaN "

@@ -13,6 +13,8 @@ from tests.harness import run_ranks
 from tests.public.collectives import use_counted_collectives
 from tests.public.common import (assert_close, check_flat_params, check_sharded_training, describe_flat_params,
                                  expected_shard, full_params_of, local_batch, rank_device, train_single_process)
+from tests.public.invariants import check_monitor
+from tests.public.monitor import Monitor
 
 pytestmark = pytest.mark.task7
 
@@ -29,28 +31,39 @@ def _shard_gpt(model, shard=None, **kwargs):
     return model
 
 
-def _train(model, optim, rank, world_size, steps, device="cpu"):
+def _train(model, optim, rank, world_size, steps, device="cpu", mon=None):
     for step in range(steps):
         idx, tgt = local_batch(CFG, rank, world_size, step, device=device)
         optim.zero_grad()
-        gpt_loss(model, idx, tgt).backward()
+        loss = gpt_loss(model, idx, tgt)
+        mon.backward(loss) if mon else loss.backward()
         optim.step()
+        if mon:
+            mon.after_step()
 
 
 def _ours_and_fsdp2(rank, world_size, steps):
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     results, device = {}, rank_device()
     torch.manual_seed(0)
-    model = _shard_gpt(GPT(CFG).to(device), torch_fully_shard)
+    model = GPT(CFG).to(device)
+    mon = Monitor(model, GPT_UNITS)  # the invariant monitor (tests/public/monitor.py) on FSDP2 too
+    _shard_gpt(model, torch_fully_shard)
+    mon.attach().setting(prefetch=True)  # FSDP2 prefetches the next unit in backward
     optim = torch.optim.SGD(model.parameters(), **SGD)
-    _train(model, optim, rank, world_size, steps, device)
+    _train(model, optim, rank, world_size, steps, device, mon)
     results["fsdp2"] = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
+    results["fsdp2_monitor"] = mon.report()
     # Ours on counted collectives that finish late (see tests/public/collectives.py); None under NCCL.
     log = use_counted_collectives(late=True)
     torch.manual_seed(0)
-    model = _shard_gpt(GPT(CFG).to(device))
+    model = GPT(CFG).to(device)
+    mon = Monitor(model, GPT_UNITS, log)
+    _shard_gpt(model)
+    mon.attach()
     optim = torch.optim.SGD(model.parameters(), **SGD)
-    _train(model, optim, rank, world_size, steps, device)
+    _train(model, optim, rank, world_size, steps, device, mon)
+    results["monitor"] = mon.report()
     trained = log.mark() if log else 0
     results["ours"] = {n: t.cpu() for n, t in adapters.gather_full_params(model).items()}
     results["shard_numels"] = [p.numel() for p in model.parameters()]
@@ -73,6 +86,8 @@ def test_training_matches_single_process_and_torch_fsdp2(backend, world_size):
     full = full_params_of(expected)
     for rank, got in enumerate(results):
         where = f"W={world_size}, rank {rank}"
+        check_monitor(got["fsdp2_monitor"], expected, world_size, f"{where} (torch FSDP2)", layout="per_param")
+        check_monitor(got["monitor"], expected, world_size, where)
         check_flat_params(got["flat"], expected, GPT_UNITS, where)
         for desc in got["flat"]:
             assert_close(desc["shard"], expected_shard(desc, full),
@@ -258,17 +273,21 @@ def test_mixed_precision_matches_torch_fsdp2():
 def _accumulate(rank, world_size, sync_every_micro_batch):
     log = use_counted_collectives(late=True)  # every collective, however it is called
     torch.manual_seed(0)
-    model = _shard_gpt(GPT(CFG))
+    model = GPT(CFG)
+    mon = Monitor(model, GPT_UNITS, log)
+    _shard_gpt(model)
+    mon.attach()
     unsynced = []
     for micro in range(3):
         last = micro == 2
         adapters.set_requires_gradient_sync(model, sync_every_micro_batch or last)
+        mon.setting(requires_gradient_sync=sync_every_micro_batch or last)
         idx, tgt = local_batch(CFG, rank, world_size, micro)
         before = log.mark()
-        gpt_loss(model, idx, tgt).backward()
+        mon.backward(gpt_loss(model, idx, tgt))
         if not (sync_every_micro_batch or last):
             unsynced += log.since(before)
-    return {"full": _full_grads(model), "unsynced": unsynced}
+    return {"full": _full_grads(model), "unsynced": unsynced, "monitor": mon.report()}
 
 
 def _full_grads(model):
@@ -295,6 +314,7 @@ def test_gradient_accumulation_with_and_without_sync(sync_every_micro_batch):
         idx, tgt = gpt_batch(CFG, 2 * world_size, seed=micro)
         gpt_loss(model, idx, tgt).backward()
     for rank, got in enumerate(results):
+        check_monitor(got["monitor"], model, world_size, f"rank {rank}")
         reductions = [c for c in got["unsynced"] if c["kind"] not in ("all_gather", "barrier")]
         assert not reductions, (
             f"rank {rank}: a backward without gradient sync must not communicate gradients (no reduce-scatter, "

@@ -1,0 +1,243 @@
+"""Machine-generated mutants: every single-point mutation a real mutation tool (cosmic-ray) makes in the
+reference task files, each graded only by the tests that call the mutated function.
+
+    pip install -e ".[staff]"                                         # cosmic-ray, staff only
+    python staff/autograder/machine_mutants.py --list                 # how many, per file and operator
+    python staff/autograder/machine_mutants.py --file task1_meta_init.py --json out.json   # one file, all
+    python staff/autograder/machine_mutants.py --sample 10 --seed 3  # a random sample over every file
+
+cosmic-ray enumerates the mutations (its ``core/*`` operators: replaced binary, comparison and unary
+operators, ``and``/``or``, ``True``/``False``, numbers, ``break``/``continue``, a loop that runs zero times,
+removed decorators, ...) and applies one at a time to the reference's source. Each mutant becomes the student
+files of a fresh grading tree (the bundle's, as ``mutations.py`` does) and is graded by the tests that
+``test_times.json`` says call the function the mutation sits in (innermost ``def``), cheapest first, stopping
+at the first failure: a failing test, an error or a hang (limit: 15 x the tests' measured time + 60 s) kills
+it. A mutant in code no graded test calls is reported as such ("uncalled"). Survivors are listed in the report
+with the one-line reason they are equivalent (``EQUIVALENT`` below), or as survivors to kill.
+
+The unmutated reference is graded the same way first (a control): if it fails, no mutant is graded.
+Staff-only, like ``mutations.py``: mutants are pieces of the solution.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+import mutations  # noqa: E402  (student_form, reference_student_files, stage_tree)
+
+TIMES = HERE / "test_times.json"
+
+# Graded tests that test_times.json does not list yet (added after its last measurement), with the task functions
+# they call and a rough time; test_times.json's own entry wins once it is regenerated.
+NEW_TESTS: dict[str, dict] = {
+    "tests/hidden/test_task1_mutant_kills.py::test_state_already_off_meta_is_kept":
+        {"seconds": 0.3, "calls": ["task1_meta_init.py:materialize_meta_module"]},
+}
+
+# Survivors judged equivalent (no observable behaviour changes), by mutant id, with the reason.
+EQUIVALENT: dict[str, str] = {
+    "task1_meta_init.py:RemoveDecorator:0":
+        "drops materialize_meta_module's @torch.no_grad(): reset_parameters() already runs with autograd on in eager "
+        "__init__, and copy_into_shard writes under its own no_grad, so nothing records a graph either way",
+    "task5_optim_ckpt.py:NumberReplacer:16":
+        "numbers set_optimizer_state_dict's parameter ids from 1 instead of 0: they are only keys that "
+        "Optimizer.load_state_dict pairs with the parameters in order, so any consistent numbering loads the same",
+}
+
+
+@dataclass
+class MachineMutant:
+    id: str            # file:operator:occurrence (stable for a given reference)
+    file: str          # task file name
+    operator: str
+    occurrence: int
+    line: int
+    function: str      # innermost enclosing def ("<module>" when none)
+    equivalent: str    # why the mutation cannot change behaviour (automatic), or ''
+
+    code_line: str     # the original line
+    mutated_line: str  # the line after the mutation
+
+
+def _functions_by_line(source: str) -> dict[int, str]:
+    """line -> innermost enclosing function name."""
+    out: dict[int, str] = {}
+    nodes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for node in sorted(nodes, key=lambda n: n.end_lineno - n.lineno, reverse=True):  # outer first, inner wins
+        first = min([node.lineno] + [d.lineno for d in node.decorator_list])  # a decorator belongs to its def
+        for line in range(first, node.end_lineno + 1):
+            out[line] = node.name
+    return out
+
+
+def _annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) positions of every annotation: never evaluated here (``from __future__ import annotations``)."""
+    spans = []
+    for node in ast.walk(ast.parse(source)):
+        anns = []
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            anns.append(node.annotation)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None:
+            anns.append(node.returns)
+        if isinstance(node, ast.AnnAssign):
+            anns.append(node.annotation)
+        spans += [((a.lineno, a.col_offset), (a.end_lineno, a.end_col_offset)) for a in anns]
+    return spans
+
+
+def automatic_equivalence(source: str, start: tuple[int, int]) -> str:
+    """A reason when a mutation cannot change behaviour whatever the tests, else ''."""
+    if "from __future__ import annotations" in source:
+        # cosmic-ray's positions are (line, column) with 1-based lines and 0-based columns, like ast's.
+        for lo, hi in _annotation_spans(source):
+            if lo <= tuple(start) <= hi:
+                return "inside a type annotation, which `from __future__ import annotations` never evaluates"
+    return ""
+
+
+def enumerate_mutants(files: list[str] | None = None) -> list[tuple[MachineMutant, str]]:
+    """Every mutant cosmic-ray makes in the reference task files: (mutant, mutated source)."""
+    from cosmic_ray.commands.init import _all_work_items
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+    out = []
+    for name in files or list(mutations.TASK_FILES.values()):
+        path = ROOT / "fsdp_assignment" / "reference" / name
+        source = path.read_text()
+        lines = source.splitlines()
+        functions = _functions_by_line(source)
+        for item in _all_work_items([path], {}):
+            spec = item.mutations[0]
+            mutated = mutate_code(source, get_operator(spec.operator_name)(), spec.occurrence)
+            if mutated is None or mutated == source:
+                continue
+            line = spec.start_pos[0]
+            new_lines = mutated.splitlines()
+            m = MachineMutant(id=f"{name}:{spec.operator_name.split('/')[-1]}:{spec.occurrence}", file=name,
+                              operator=spec.operator_name, occurrence=spec.occurrence, line=line,
+                              function=functions.get(line, "<module>"),
+                              equivalent=automatic_equivalence(source, spec.start_pos), code_line=lines[line - 1].strip(),
+                              mutated_line=new_lines[line - 1].strip() if line <= len(new_lines) else "")
+            out.append((m, mutated))
+    return out
+
+
+def tests_calling(mutant: MachineMutant) -> list[tuple[str, float]]:
+    """The graded tests that call the mutant's function, cheapest first: (node id, measured seconds)."""
+    data = {**NEW_TESTS, **json.loads(TIMES.read_text())["tests"]}
+    key = f"{mutant.file}:{mutant.function}"
+    return sorted(((t, v["seconds"] or 1.0) for t, v in data.items() if key in v["calls"]), key=lambda x: x[1])
+
+
+def grade(mutant: MachineMutant | None, mutated: str | None, workdir: Path, tests: list[tuple[str, float]]) -> dict:
+    """Stage a grading tree with the mutant as the student's file; run ``tests`` with -x. Returns the outcome."""
+    start = time.monotonic()
+    tree = workdir / (mutant.id.replace(":", "_").replace(".py", "") if mutant else "control")
+    files = mutations.reference_student_files()
+    if mutant is not None:
+        files[f"fsdp_assignment/{mutant.file}"] = mutations.student_form(mutated)
+    mutations.stage_tree(tree, files)
+    limit = 15 * sum(s for _, s in tests) + 60
+    env = {**os.environ, "FSDP_IMPL": "student", "PYTHONDONTWRITEBYTECODE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+           *[t for t, _ in tests]]
+    try:
+        proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env, timeout=limit,
+                              start_new_session=True)
+        rc, out = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as e:
+        rc, out = "hang", (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+    failed = next((line.split(" ")[1] for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))), "")
+    return {"killed": rc != 0, "rc": rc, "killer": failed or ("hang" if rc == "hang" else ""),
+            "tests": len(tests), "seconds": round(time.monotonic() - start, 1), "tail": out[-600:]}
+
+
+def run(selected: list[tuple[MachineMutant, str]], workers: int, log=print) -> list[dict]:
+    workdir = Path(tempfile.mkdtemp(prefix="fsdp-machine-mutants-"))
+    try:
+        # the control: every test any selected mutant would run, on the unmutated reference
+        needed = {t: s for m, _ in selected if not m.equivalent for t, s in tests_calling(m)}
+        control = grade(None, None, workdir, sorted(needed.items(), key=lambda x: x[1]))
+        if control["killed"]:
+            raise RuntimeError(f"the unmutated reference fails its tests here: {control['tail']}")
+        log(f"control: {control['tests']} tests pass on the unmutated reference in {control['seconds']} s")
+        outcomes = []
+
+        def one(pair):
+            m, mutated = pair
+            if m.equivalent:
+                return {**asdict(m), "status": "equivalent", "killer": "", "seconds": 0.0, "tests": 0,
+                        "reason": m.equivalent}
+            tests = tests_calling(m)
+            if not tests:
+                return {**asdict(m), "status": "uncalled", "killer": "", "seconds": 0.0, "tests": 0}
+            r = grade(m, mutated, workdir, tests)
+            status = "killed" if r["killed"] else ("equivalent" if m.id in EQUIVALENT else "survived")
+            return {**asdict(m), "status": status, "killer": r["killer"], "seconds": r["seconds"],
+                    "tests": r["tests"], "reason": EQUIVALENT.get(m.id, "")}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            for o in pool.map(one, selected):
+                log(f"{o['id']:<55} {o['status']:<10} {o['seconds']:6.1f} s  {o['killer'] or o['code_line'][:60]}")
+                outcomes.append(o)
+        return outcomes
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def summary(outcomes: list[dict]) -> dict:
+    count = {s: sum(o["status"] == s for o in outcomes) for s in ("killed", "survived", "equivalent", "uncalled")}
+    graded = count["killed"] + count["survived"]
+    return {"generated": len(outcomes), **count,
+            "kill_rate_of_non_equivalent": round(count["killed"] / graded, 4) if graded else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--file", nargs="*", default=None, help="task files (default: all seven)")
+    parser.add_argument("--sample", type=int, default=None, help="grade a random sample of this many")
+    parser.add_argument("--seed", type=int, default=None, help="the sample's seed (default: random, printed)")
+    parser.add_argument("--only", nargs="*", default=None, help="mutant ids")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--json", type=Path, default=None, help="write the outcomes here")
+    args = parser.parse_args(argv)
+    mutants = enumerate_mutants(args.file)
+    if args.only:
+        mutants = [p for p in mutants if p[0].id in args.only]
+    if args.list:
+        for m, _ in mutants:
+            print(f"{m.id:<55} line {m.line:<4} {m.function:<28} {m.code_line[:50]!r} -> {m.mutated_line[:50]!r}")
+        print(f"{len(mutants)} mutants")
+        return 0
+    if args.sample is not None:
+        seed = args.seed if args.seed is not None else random.randrange(10 ** 6)
+        print(f"sample of {args.sample} with --seed {seed}")
+        mutants = random.Random(seed).sample(mutants, min(args.sample, len(mutants)))
+    start = time.monotonic()
+    outcomes = run(mutants, args.workers)
+    s = summary(outcomes)
+    print(json.dumps(s), f"wall {time.monotonic() - start:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps({"summary": s, "outcomes": outcomes}, indent=1))
+    return 0 if s["survived"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Parent-side checks of what ``tests/public/monitor.py`` recorded in a rank: the invariants every correct FSDP
+run here keeps, whatever the model, the switches or the implementation (yours or PyTorch's ``fully_shard``).
+
+The expected values come from the parent's own unsharded copy of the model, never from the rank. A failure
+names the invariant, the unit and the moment (iteration, and the hook or autograd boundary it was seen at):
+
+    unsharded-bound      at every moment of forward and backward, the non-root units whose full parameters
+                         exist number at most (depth of nested non-root units) + (1 with prefetching or, for
+                         PyTorch's FSDP2, its backward prefetch): one unit (and its parents) at a time, plus
+                         one prefetched. Not bounded with ``reshard_after_forward=False``
+    forward-gathers      every forward all-gathers each unit's parameters once (each FlatParameter once, with
+                         its padded size / W elements), in the parameter dtype (``param_dtype`` if set)
+    backward-gathers     a backward all-gathers again exactly the non-root units resharded after forward (the
+                         root: once or not at all), nothing when ``reshard_after_forward=False``
+    reduce-scatters      a backward with gradient sync reduce-scatters each trainable FlatParameter's padded full
+                         gradient once (in ``reduce_dtype`` if set); a backward without it reduces nothing; no
+                         all-reduce ever (FSDP needs none)
+    freed-after-backward after ``backward()`` returns no unit is unsharded and no original parameter name
+                         carries a gradient
+    no-full-copies       after sharding and after every step no original ``nn.Parameter`` is alive with its
+                         storage, and ``module.parameters()`` holds about 1/W of the model
+    dtypes-and-devices   shards keep their parameters' dtype (mixed precision casts the unsharded copy only),
+                         gradients have their shard's dtype, buffers keep dtype, device and shape
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from tests.public.common import expected_owners
+
+
+def _unit_layout(model: nn.Module, units: list[str], world_size: int, layout: str) -> dict[str, list[tuple]]:
+    """unit -> [(trainable, elements per rank of its all-gather)] for each group it gathers.
+
+    ``flat`` (this assignment): one FlatParameter per kind (trainable, frozen), padded to a multiple of W;
+    ``per_param`` (PyTorch's FSDP2): one group per unit, each parameter padded along dim 0."""
+    out = {}
+    for prefix, own in expected_owners(model, units).items():
+        params = list(own.values())
+        if layout == "flat":
+            groups = []
+            for kind in (True, False):
+                n = sum(p.numel() for p in params if p.requires_grad == kind)
+                if n:
+                    groups.append((kind, -(-n // world_size)))
+            out[prefix] = groups
+        else:
+            n = sum(-(-p.shape[0] // world_size) * (p.numel() // max(p.shape[0], 1)) if p.dim() else 1
+                    for p in params)
+            out[prefix] = [(any(p.requires_grad for p in params), n)] if params else []
+    return out
+
+
+def _depth(units: list[str]) -> int:
+    """The longest chain of nested non-root units."""
+    non_root = [u for u in units if u]
+    return max((sum(u.startswith(a) for a in non_root) for u in non_root), default=0)
+
+
+def check_monitor(report: dict, model: nn.Module, world_size: int, where: str, *, layout: str = "flat",
+                  collectives: bool = True, bounded: bool = True) -> None:
+    """Check every invariant above on one rank's ``Monitor.report()``, against the parent's ``model`` (as it
+    was before sharding: same names, same ``requires_grad``). ``collectives=False`` leaves out the three
+    collective invariants, for scripts whose forward runs a unit twice or whose loss skips some units (each
+    correct implementation may then gather or reduce differently). ``bounded=False`` leaves out the bound on
+    unsharded units (the differential runs use it for a unit run twice with prefetching)."""
+    units = report["units"]
+    groups = _unit_layout(model, units, world_size, layout)
+    depth = _depth(units)
+    assert report["iterations"], f"{where}: the monitor saw no iteration (the root's forward never ran)"
+    for i, it in enumerate(report["iterations"]):
+        s = it["settings"]
+        moment = f"{where}, iteration {i} ({', '.join(f'{k}={v}' for k, v in sorted(s.items())) or 'defaults'})"
+        raf = s.get("reshard_after_forward", True)
+        sync = s.get("requires_gradient_sync", True)
+        if raf and bounded:
+            bound = depth + (1 if s.get("prefetch", False) else 0)
+            for when, unsharded in it["samples"]:
+                non_root = [u for u in unsharded if u]
+                assert len(non_root) <= bound, (
+                    f"invariant unsharded-bound: {moment}, {when}: {len(non_root)} non-root units unsharded "
+                    f"{non_root}; at most {bound} may be (one unit and its parents at a time"
+                    f"{', plus one prefetched' if s.get('prefetch') else ''})")
+        ab = it["after_backward"]
+        assert not ab["unsharded"], (f"invariant freed-after-backward: {moment}, after backward: units "
+                                     f"{ab['unsharded']} still hold their full parameters")
+        assert not ab["full_grads"], (f"invariant freed-after-backward: {moment}, after backward: original "
+                                      f"parameters {ab['full_grads'][:4]} carry a full gradient")
+        if not (report["counted"] and collectives):
+            continue
+        expected_gathers = sorted(n for g in groups.values() for _, n in g)
+        fwd = [c for c in it["forward_calls"] if c["kind"] != "barrier"]
+        got = sorted(c["numel"] for c in fwd if c["kind"] == "all_gather")
+        others = [c["kind"] for c in fwd if c["kind"] != "all_gather"]
+        assert not others, f"invariant forward-gathers: {moment}, forward: communicated {others}; only all-gathers"
+        assert got == expected_gathers, (
+            f"invariant forward-gathers: {moment}, forward: all-gathers of {got} elements per rank; expected each "
+            f"unit's parameters once: {_by_unit(groups)}")
+        if s.get("param_dtype"):
+            bad = {c["dtype"] for c in fwd} - {s["param_dtype"]}
+            assert not bad, f"invariant forward-gathers: {moment}: all-gathers in {bad}, param_dtype={s['param_dtype']}"
+        bwd = [c for c in it["backward_calls"] if c["kind"] != "barrier"]
+        gathered = sorted(c["numel"] for c in bwd if c["kind"] == "all_gather")
+        must = sorted(n for u, g in groups.items() if u and raf for _, n in g)
+        root = sorted(n for _, n in groups.get("", [])) if raf else []
+        ok = gathered in (must, sorted(must + root))
+        assert ok, (f"invariant backward-gathers: {moment}, backward: all-gathers of {gathered} elements per rank; "
+                    f"expected the units resharded after forward once each: {must} (the root's {root} allowed)")
+        reduced = [c for c in bwd if c["kind"] not in ("all_gather",)]
+        if not sync:
+            assert not reduced, (f"invariant reduce-scatters: {moment}, backward without gradient sync: it "
+                                 f"communicated {[(c['kind'], c['numel']) for c in reduced]}; nothing may be reduced")
+            continue
+        kinds = sorted({c["kind"] for c in reduced} - {"reduce_scatter"})
+        assert not kinds, f"invariant reduce-scatters: {moment}, backward: {kinds} issued; FSDP reduces by reduce-scatter"
+        got = sorted(c["numel"] for c in reduced)
+        expected = sorted(n * world_size for g in groups.values() for trainable, n in g if trainable)
+        assert got == expected, (
+            f"invariant reduce-scatters: {moment}, backward: reduce-scatters of {got} elements; expected each "
+            f"trainable unit's padded full gradient once: {expected}")
+        if s.get("reduce_dtype"):
+            bad = {c["dtype"] for c in reduced} - {s["reduce_dtype"]}
+            assert not bad, f"invariant reduce-scatters: {moment}: reduce-scatters in {bad}, reduce_dtype={s['reduce_dtype']}"
+    dtypes = {str(p.dtype) for p in model.parameters()}
+    shard_total = sum(n for g in groups.values() for _, n in g)
+    buffers = {n: (str(b.dtype), str(b.device), list(b.shape)) for n, b in model.named_buffers()}
+    for e in report["events"]:
+        moment = f"{where}, {e['moment']}"
+        assert not e["originals_alive"], (
+            f"invariant no-full-copies: {moment}: the original parameters {e['originals_alive'][:4]} are still alive "
+            f"with their full storage; after sharding only the shards may hold parameter memory")
+        assert sum(e["param_numels"]) == shard_total, (
+            f"invariant no-full-copies: {moment}: module.parameters() holds {sum(e['param_numels'])} elements; the "
+            f"shards of the model hold {shard_total} ({_by_unit(groups)})")
+        bad = sorted(set(e["param_dtypes"]) - dtypes)
+        assert not bad, (f"invariant dtypes-and-devices: {moment}: shards in {bad}; the model's parameters are "
+                         f"{sorted(dtypes)} (mixed precision casts only the unsharded copy)")
+        for pd, gd in zip(e["param_dtypes"], e["grad_dtypes"]):
+            assert gd is None or gd == pd, (f"invariant dtypes-and-devices: {moment}: a {pd} shard has a {gd} "
+                                            f"gradient; a gradient has its parameter's dtype")
+        got_buffers = {k: [v[0], v[1], list(v[2])] for k, v in e["buffers"].items()}
+        assert got_buffers == {k: [v[0], v[1], v[2]] for k, v in buffers.items()}, (
+            f"invariant dtypes-and-devices: {moment}: buffers (dtype, device, shape) {e['buffers']}; expected "
+            f"{buffers}")
+
+
+def _by_unit(groups: dict) -> str:
+    return ", ".join(f"'{u or '<root>'}': {[n for _, n in g]}" for u, g in groups.items())

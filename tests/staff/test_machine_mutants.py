@@ -1,0 +1,42 @@
+"""Machine-generated mutants (staff/autograder/machine_mutants.py): the committed report is about the current
+reference, and a random sample of the mutants it reports killed is still killed (CI: so the rate cannot drift)."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+REPORT = ROOT / "staff" / "autograder" / "machine_mutants.json"
+sys.path.insert(0, str(ROOT / "staff" / "autograder"))
+pytest.importorskip("cosmic_ray", reason="cosmic-ray is a staff extra: pip install -e '.[staff]'")
+import machine_mutants  # noqa: E402
+
+
+def _report() -> list[dict]:
+    return [o for run in json.loads(REPORT.read_text())["runs"] for o in run["outcomes"]]
+
+
+def test_report_matches_the_current_reference():
+    current = {m.id: m for m, _ in machine_mutants.enumerate_mutants()}
+    for o in _report():
+        m = current.get(o["id"])
+        assert m is not None and (m.line, m.code_line) == (o["line"], o["code_line"]), (
+            f"{o['id']} in machine_mutants.json no longer matches the reference; re-run machine_mutants.py")
+        assert o["status"] in ("killed", "survived", "equivalent", "uncalled"), o
+        assert o["status"] != "equivalent" or o.get("reason"), f"{o['id']}: an equivalent mutant needs its reason"
+
+
+@pytest.mark.slow
+def test_a_random_sample_of_killed_mutants_is_still_killed():
+    killed = [o["id"] for o in _report() if o["status"] == "killed"]
+    seed = random.randrange(10 ** 6)
+    ids = random.Random(seed).sample(killed, min(2, len(killed)))
+    mutants = [p for p in machine_mutants.enumerate_mutants() if p[0].id in ids]
+    outcomes = machine_mutants.run(mutants, workers=2, log=lambda *a: None)
+    survived = [o["id"] for o in outcomes if o["status"] != "killed"]
+    assert not survived, f"sample seed {seed}: mutants the report has killed now survive: {survived}"
