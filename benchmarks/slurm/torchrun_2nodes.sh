@@ -20,6 +20,14 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 NPROC=$1; shift
 PORT=${FSDP_TORCHRUN_PORT:-$((20000 + RANDOM % 40000))}
 PY=$(command -v python)
+# the namespaces belong to the cluster of whoever ran slurm_up.sh --nodes 2 (see slurm_up.sh: one cluster per caller)
+OWNER=${FSDP_SLURM_OWNER:-$(cd "$HERE/../.." && pwd)}
+OWNERS=${FSDP_SLURM_ROOT:-/var/spool/fsdp-slurm}/owners
+if [ -s "$OWNERS" ] && ! grep -qxF "$OWNER" "$OWNERS"; then
+  echo "the two-node namespaces belong to another caller's cluster ($(paste -sd, "$OWNERS")); not using them" \
+       "silently: FSDP_SLURM_SHARE=1 bash benchmarks/slurm/slurm_up.sh --nodes 2 joins it. You are: $OWNER" >&2
+  exit 4
+fi
 ip netns list 2>/dev/null | grep -qw fsdpn1 || { echo "no namespace fsdpn1: run 'bash benchmarks/slurm/slurm_up.sh --nodes 2' (or netns.sh up) first" >&2; exit 3; }
 pids=()
 for n in 1 2; do
