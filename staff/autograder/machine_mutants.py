@@ -137,6 +137,22 @@ def enumerate_mutants(files: list[str] | None = None) -> list[tuple[MachineMutan
     return out
 
 
+def mutation_of(mutant_id: str) -> tuple[set[str], set[str]] | None:
+    """The lines one mutant removes and adds (stripped), by id, without enumerating the others; None when the
+    reference no longer has that mutation."""
+    import difflib
+
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+    name, operator, occurrence = mutant_id.split(":")
+    source = (ROOT / "fsdp_assignment" / "reference" / name).read_text()
+    mutated = mutate_code(source, get_operator(f"core/{operator}")(), int(occurrence))
+    if mutated is None:
+        return None
+    diff = list(difflib.ndiff(source.splitlines(), mutated.splitlines()))
+    return ({d[2:].strip() for d in diff if d.startswith("- ")}, {d[2:].strip() for d in diff if d.startswith("+ ")})
+
+
 def tests_calling(mutant: MachineMutant) -> list[tuple[str, float]]:
     """The graded tests that call the mutant's function, cheapest first: (node id, measured seconds)."""
     data = {**NEW_TESTS, **json.loads(TIMES.read_text())["tests"]}

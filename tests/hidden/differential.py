@@ -61,7 +61,10 @@ def generate(seed: int, world_size: int = 2) -> dict:
     cfg["aux_only"] = cfg["two_outputs"] and r.random() < 0.4
     cfg["adamw"] = cfg["adamw"] and not cfg["aux_only"]  # see _optim
     cfg["no_reshard"] = r.random() < 0.2
-    cfg["mixed_precision"] = dtype == "float32" and r.random() < 0.3
+    # Not with a unit run twice: under bf16 compute the two uses' gradients are summed in another order and
+    # precision by each implementation (both correct), and AdamW amplifies that bf16 rounding past the tolerance.
+    mixed = dtype == "float32" and r.random() < 0.3  # drawn as before, so that every other seed keeps its script
+    cfg["mixed_precision"] = mixed and not cfg["run_twice"]
     cfg["accumulate"] = r.random() < 0.3
     cfg["prefetch_flip"] = r.random() < 0.4
     cfg["checkpoint"] = r.random() < 0.35
