@@ -1,4 +1,4 @@
-"""Differential runs (tests/hidden/differential.py): the graded set covers the generator's features, a larger
+"""Differential runs (tests/hidden/scenarios/differential.py): the graded set covers the generator's features, a larger
 seeded set agrees with torch's FSDP2 at W=2 and W=3 (slow), and the comparison fails on wrong implementations."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import contextlib
 import pytest
 
 from tests.harness import run_ranks
-from tests.hidden.differential import FEATURES, compare, describe, fsdp2_body, generate, ours_body
-from tests.hidden.test_differential import GRADED_SEEDS, graded_configs
+from tests.hidden.scenarios.differential import FEATURES, describe, fsdp2_body, generate, ours_body
+from tests.hidden.test_differential import GRADED_SEEDS, compare, graded_configs
 
 STAFF_SEEDS = tuple(range(1000, 1012))
 

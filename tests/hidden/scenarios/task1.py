@@ -94,3 +94,26 @@ def _no_reset(rank, world_size):
     except TypeError as e:
         return {"raised": "TypeError", "message": str(e)}
     return {"raised": None, "message": ""}
+
+
+class PartlyReal(nn.Module):
+    """A meta parameter next to a buffer that is already real (loaded, say) and a ``None`` buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(6))
+        self.register_buffer("table", torch.zeros(5))
+        self.register_buffer("missing", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.w)  # its own parameter only; the buffer's values come from elsewhere
+
+
+def _partly_real(rank, world_size):
+    with torch.device("meta"):
+        model = PartlyReal()
+    model._buffers["table"] = torch.arange(5.0)  # real already: materialization must leave it alone
+    torch.manual_seed(3)
+    adapters.materialize_meta_module(model, "cpu")
+    return {"w": model.w.detach(), "table": model.table, "missing_is_none": model.missing is None}
