@@ -103,6 +103,26 @@ def test_every_number_the_key_quotes_is_in_numbers_md_or_the_question():
     assert not missing, f"ANSWER_KEY.md quotes numbers found neither in NUMBERS.md nor in the questions: {missing}"
 
 
+def test_the_handouts_bands_are_the_numbers_md_run():
+    """The "staff run" column of the handout's bands table (handout/benchmarks.typ, @tab-bands) is NUMBERS.md's
+    Bands section, rounded as printed: a rerun of regenerate.py that moves a band's figure fails here until the
+    handout is updated (the last round's key came from another run than the one students make)."""
+    typ = (ROOT / "handout" / "benchmarks.typ").read_text(encoding="utf-8")
+    table = typ[typ.index("table.header([quantity (table)]"):typ.index("<tab-bands>")]
+    staff = [re.findall(r"\d+\.\d+|\d+(?=%)", row[1]) for row in re.findall(r"\[([^\]]*)\], \[([^\]]*)\], \[", table)]
+    bands = NUMBERS.read_text(encoding="utf-8").split("## Bands")[1].split("\n## ")[0]
+    measured = [float(x) for x in re.findall(r"(?<![\w.])\d+\.\d+|\d+(?=%)", bands)]
+    wrong = []
+    for figures in staff:
+        for fig in figures:
+            digits = len(fig.split(".")[1]) if "." in fig else 0
+            if not any(round(m, digits) == float(fig) for m in measured):
+                wrong.append(fig)
+    assert sum(map(len, staff)) >= 6, f"the bands table lost its figures: {staff}"
+    assert not wrong, (f"handout/benchmarks.typ's bands quote {wrong}, which NUMBERS.md's Bands section does not "
+                       "have: copy the new run's figures into @tab-bands")
+
+
 def test_the_release_has_no_answer_key_and_its_check_catches_one(tmp_path):
     release = _load("_release", "staff/release.py")
     dest = tmp_path / "release"
