@@ -243,6 +243,13 @@ MUTANTS: list[Mutant] = [
            "        if False:\n            # A reentrant recomputation",
            "reshards after a reentrant recomputation (checkpoint(block, use_reentrant=True)): every checkpointed "
            "unit is all-gathered twice per backward"),
+    Mutant("m42", 1, "if b is not None and b.is_meta]", "if b is not None or b.is_meta]",
+           "materializes every real buffer again (and trips on a None buffer): a buffer already off meta loses "
+           "its values", "", "test_state_already_off_meta_is_kept"),
+    Mutant("m43", 5, "    out.update({k: v.detach().clone() for k, v in _buffers(module).items()})",
+           "    out.update({k: v.detach().clone() for k, v in _buffers(module).items() if v.is_floating_point()})",
+           "leaves integer and boolean buffers out of the model state dict (FSDP2 keeps them)", "",
+           "test_generated_scripts_match_torch_fsdp2"),
     Mutant("m40", 7, "        if owner is not None and owner[0]() is not None:\n",
            "        if owner is not None and any(owner[0]() is u.module for u in fsdp_units(module)):\n",
            "rejects a weight tied to a child unit's but not one tied to a sibling's: fully_shard(m.embed); "
@@ -469,7 +476,8 @@ KIND_OF: dict[str, str] = {
     "m23": "accumulation", "m24": "accumulation", "m25": "lifecycle", "m26": "grad-math", "m27": "grad-math",
     "m28": "memory", "m29": "checkpoint", "m30": "checkpoint", "m31": "checkpoint", "m32": "memory",
     "m33": "waste", "m34": "async", "m35": "ownership", "m36": "precision", "m37": "accumulation",
-    "m38": "lifecycle", "m39": "ownership", "m40": "ownership", "m41": "waste",
+    "m38": "lifecycle", "m39": "ownership", "m40": "ownership", "m41": "waste", "m42": "state",
+    "m43": "checkpoint",
     "g01": "state", "g02": "state", "g03": "state", "g04": "state", "g05": "precision", "g06": "async",
     "g07": "waste", "g08": "lifecycle", "g09": "waste", "g10": "precision", "g11": "waste", "g12": "checkpoint",
     "g13": "checkpoint", "g14": "memory", "g15": "memory", "g16": "waste", "g17": "waste", "g18": "waste",

@@ -105,7 +105,7 @@ CASES: list[Case] = [
          select=f"{CLIP} or {TIED_2}", broken=(CLIP,), fine=(TIED_2,),
          message=r"SyntaxError"),
     Case("memory_bomb", "allocates without bound (each rank has a memory limit)",
-         edits=(_insert(5, "    grads = [fp.shard.grad for _, fp in named_flat_params(module)",
+         edits=(_insert(5, "    grads = [fp.shard.grad for fp in flat_params",
                         "    _zoo = [torch.ones(1 << 22) for _ in range(100_000)]  # 16 MiB at a time, forever\n"),),
          select=f"{CLIP} or {TIED_2}", broken=(CLIP,), fine=(TIED_2,), memory_mb=256,
          message=r"out of memory"),
@@ -153,7 +153,7 @@ CASES: list[Case] = [
          select=f"{GRAD_2} or {TIED_2}", broken=(GRAD_2,), fine=(TIED_2,),
          message=r"^(?s:.*?)rank 1 of 2 was stopped \(SIGSTOP(?s:.*)in unshard"),
     Case("shared_memory_bomb", "allocates shared memory (MAP_SHARED) without bound: RLIMIT_DATA does not count it",
-         edits=(_insert(5, "    grads = [fp.shard.grad for _, fp in named_flat_params(module)",
+         edits=(_insert(5, "    grads = [fp.shard.grad for fp in flat_params",
                         "    import mmap\n    _zoo = []\n    while True:  # 64 MiB of shared memory at a time\n"
                         "        _zoo.append(mmap.mmap(-1, 64 << 20, flags=mmap.MAP_SHARED))\n"
                         "        _zoo[-1].write(b'x' * (64 << 20))\n"),),
