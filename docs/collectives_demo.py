@@ -1,14 +1,14 @@
 """All-gather and reduce-scatter on 2 CPU processes (gloo): what Tasks 3 and 4 build on. Run: python docs/collectives_demo.py"""
-import os
+import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def main(rank: int, world_size: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def main(rank: int, world_size: int, store_file: str) -> None:
+    # A FileStore rendezvous, not a fixed port: two demos (or a demo and the tests) never collide.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
     shard = torch.arange(3.0) + 10 * rank                       # rank r owns elements [3r, 3r + 3) of a flat buffer
     full = torch.empty(3 * world_size)
     dist.all_gather_single(full, shard)                         # every rank receives every shard, in rank order
@@ -20,4 +20,5 @@ def main(rank: int, world_size: int) -> None:
 
 
 if __name__ == "__main__":
-    mp.spawn(main, args=(2,), nprocs=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(main, args=(2, f"{tmp}/store"), nprocs=2)
