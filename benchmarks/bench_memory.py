@@ -129,6 +129,13 @@ def worker(ctx: launch.RankContext, payload: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # The analytic model
 # ---------------------------------------------------------------------------------------------------------
+def _categories(bd: dict) -> dict:
+    """A rank's breakdown at its peak in the table's categories; "other" (a few bytes) counts as activations."""
+    cats = {c: bd.get(c, 0) for c in CATEGORIES}
+    cats["activations"] += sum(v for k, v in bd.items() if k not in CATEGORIES)
+    return cats
+
+
 def analytic(name: str, w: int, cfg, activations: float) -> dict:
     """Bytes per rank predicted for ``name`` at world size ``w`` (see the module docstring)."""
     units = trainers.unit_param_counts(cfg)
@@ -203,15 +210,17 @@ def main(argv=None) -> dict:
         model = analytic(name, w, cfg, activations)
         err = worst["peak_bytes"] / model["peak_bytes"] - 1
         vs_one = worst["peak_bytes"] / one_peak if one_peak else None
-        bd = worst["breakdown_at_peak"]
-        cats = {c: bd.get(c, 0) for c in CATEGORIES}
-        cats["activations"] += sum(v for k, v in bd.items() if k not in CATEGORIES)  # "other": a few bytes
+        per_rank_cats = [_categories(r["breakdown_at_peak"]) for r in per_rank]
+        cats = per_rank_cats[per_rank.index(worst)]
         rows.append([name, w, report.spread(worst["peak_bytes_all_steps"], 1 / report.MiB),
                      model["peak_bytes"] / report.MiB, f"{err:+.1%}",
                      None if vs_one is None else f"{vs_one:.3f}x"] + [cats[c] / report.MiB for c in CATEGORIES])
         records.append({"strategy": name, "world_size": w, "peak_bytes": worst["peak_bytes"],
                         "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank], "model": model,
                         "model_error": err, "vs_one_process": vs_one, "breakdown_at_peak": cats,
+                        # which rank is the worst moves with noise when the peaks are close (uneven shards differ by a
+                        # few hundred bytes): compare runs rank by rank, never through the worst rank alone
+                        "worst_rank": per_rank.index(worst), "breakdown_at_peak_per_rank": per_rank_cats,
                         "forward_growth_bytes": worst["forward_growth_bytes"], "tracker": worst["tracker"],
                         "peak_bytes_all_steps_per_rank": [r["peak_bytes_all_steps"] for r in per_rank]})
 

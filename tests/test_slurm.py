@@ -78,6 +78,22 @@ def require_two_nodes() -> None:
     pytest.skip(f"{problem}; `sudo bash benchmarks/slurm/slurm_up.sh --nodes 2` starts it")
 
 
+def require_own_namespaces() -> None:
+    """torchrun_2nodes.sh runs in the namespaces only for the checkout(s) that brought the cluster up (its owners
+    file): another checkout's cluster on this machine (e.g. the staff CI's, seen from a release built inside it)
+    is a skip that names the owner, or a failure with FSDP_REQUIRE_SLURM=1."""
+    owners = Path(os.environ.get("FSDP_SLURM_ROOT", "/var/spool/fsdp-slurm")) / "owners"
+    me = os.environ.get("FSDP_SLURM_OWNER", str(ROOT))
+    listed = [line for line in owners.read_text().splitlines() if line.strip()] if owners.is_file() else []
+    if not listed or me in listed or any(Path(o).resolve() == Path(me).resolve() for o in listed):
+        return
+    problem = (f"the two-node namespaces belong to another caller's cluster ({', '.join(listed)}), not to {me}; "
+               f"`FSDP_SLURM_SHARE=1 bash benchmarks/slurm/slurm_up.sh --nodes 2` joins it")
+    if os.environ.get("FSDP_REQUIRE_SLURM") == "1":
+        pytest.fail(f"FSDP_REQUIRE_SLURM=1 but {problem}", pytrace=False)
+    pytest.skip(problem)
+
+
 def _parser():
     from benchmarks import cli
 
@@ -155,6 +171,7 @@ def test_torchrun_across_the_two_namespaces(tmp_path):
     """`torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint fsdpn1:PORT` in each namespace:
     one W=4 job whose ranks sit on both nodes and train like one process."""
     require_two_nodes()
+    require_own_namespaces()
     proc = subprocess.run(["bash", str(ROOT / "benchmarks/slurm/torchrun_2nodes.sh"), "2", "benchmarks/train_gpt.py",
                            "--world-sizes", "4", "--out", str(tmp_path), "--quiet"],
                           cwd=ROOT, capture_output=True, text=True, timeout=400)
@@ -330,8 +347,9 @@ def test_run_all_on_two_nodes_equals_the_local_run(tmp_path):
     for key, here in rows[local].items():
         there = rows[slurm][key]
         assert there["model"] == here["model"], key
-        for part in ("params", "optim"):
-            assert there["breakdown_at_peak"][part] == here["breakdown_at_peak"][part], (key, part)
+        for part in ("params", "optim"):  # rank by rank: which rank is the worst is noise (close peaks)
+            assert ([r[part] for r in there["breakdown_at_peak_per_rank"]]
+                    == [r[part] for r in here["breakdown_at_peak_per_rank"]]), (key, part)
         assert there["peak_bytes"] == pytest.approx(here["peak_bytes"], rel=0.10), key
     comm = {d: json.loads((d / "comm.json").read_text())["bytes_per_step"] for d in (local, slurm)}
     assert [(r["strategy"], r["world_size"], r["total_bus_bytes"]) for r in comm[slurm]] == \
