@@ -65,8 +65,6 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
-import re
-import resource
 import shutil
 import signal
 import stat
@@ -81,6 +79,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.rank_isolation import (apply_limits, close_inherited_fds, create_private, drop_privileges,
+                                   grader_settings, redirect_output, trace_task_calls, watch_lifeline)
+
 __all__ = ["run_ranks", "RankFailure", "require_backend"]
 
 OUTPUT_TAIL_CHARS = 2000  # how much of a failing rank's stdout/stderr goes into the failure message
@@ -92,8 +93,7 @@ STOPPED_GRACE_S = 2.0  # a rank stopped this long is a failure (a stop the body 
 MAX_MESSAGE_BYTES = 64 << 20  # the largest report a rank may send (the biggest a test returns is under 1 MiB);
 # the parent reads it without blocking, in pieces, and refuses a longer one as soon as its length arrives
 _LENGTH_BYTES = 8  # each report: its length (8 bytes, big-endian), then a torch.save payload
-MEMORY_AS_SLACK_BYTES = 256 << 20  # address space a rank may reserve beyond its memory limit: a correct
-# implementation reserves at most 63 MiB more after the limit is set (measured over every public and hidden test); 4x that
+
 
 # One forkserver per pytest process, started on first use. Preloading this module (by the name pytest gave it)
 # also preloads torch, torch.distributed and pytest, which test modules import again in every rank.
@@ -152,45 +152,6 @@ def require_backend(backend: str, world_size: int) -> None:
         pytest.skip(f"needs {world_size} CUDA GPUs for NCCL, found {found}")
 
 
-def _grader_settings(timeout: float, collective_timeout: float, memory_limit_bytes: int | None):
-    """The autograder's overrides, from the environment (unset: the call's own values, and no user change).
-
-    FSDP_RANK_MEMORY_LIMIT_BYTES: memory_limit_bytes for calls that give none (a memory bomb then fails its
-    own test instead of the whole machine). FSDP_RANK_TIMEOUT_CAP: an upper bound, in seconds, on timeout and
-    collective_timeout. FSDP_RANK_DEADLINE: the time (time.time()) by which the current test must end (the
-    grading plugin's per-test limit, staff/autograder/grading_plugin.py): timeouts shrink to what is left of
-    it, so a test that calls run_ranks several times still ends by then. FSDP_RANK_FILE_LIMIT_BYTES: the largest file a rank may write (RLIMIT_FSIZE; its
-    output file included). FSDP_RANK_MAX_PROCESSES: how many processes and threads the rank user may have at
-    once (RLIMIT_NPROC; only with FSDP_RANK_USER, since it counts every process of the user). FSDP_RANK_USER: a
-    user name; when this process is root, each rank drops to that user right before the body runs (returned as
-    (uid, gid)); otherwise it is ignored."""
-    cap = os.environ.get("FSDP_RANK_TIMEOUT_CAP", "").strip()
-    if cap:
-        timeout, collective_timeout = min(timeout, float(cap)), min(collective_timeout, float(cap))
-    deadline = os.environ.get("FSDP_RANK_DEADLINE", "").strip()
-    if deadline:  # the grading plugin's time limit for the whole test (time.time()): what is left of it
-        left = max(1.0, float(deadline) - time.time())
-        timeout, collective_timeout = min(timeout, left), min(collective_timeout, left)
-    limit = os.environ.get("FSDP_RANK_MEMORY_LIMIT_BYTES", "").strip()
-    if memory_limit_bytes is None and limit:
-        memory_limit_bytes = int(limit)
-    run_as = None
-    user = os.environ.get("FSDP_RANK_USER", "").strip()
-    if user and os.geteuid() == 0:
-        import pwd
-        entry = pwd.getpwnam(user)
-        if entry.pw_uid != 0:
-            run_as = (entry.pw_uid, entry.pw_gid)
-    limits = {}
-    file_limit = os.environ.get("FSDP_RANK_FILE_LIMIT_BYTES", "").strip()
-    if file_limit:
-        limits["fsize"] = int(file_limit)
-    nproc = os.environ.get("FSDP_RANK_MAX_PROCESSES", "").strip()
-    if nproc and run_as is not None:
-        limits["nproc"] = int(nproc)
-    return timeout, collective_timeout, memory_limit_bytes, limits, run_as
-
-
 # ==========================================================================================================
 # The parent side: start the ranks, collect their messages, kill them, explain what went wrong
 # ==========================================================================================================
@@ -222,11 +183,11 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
     every rank is killed. collective_timeout: the process group's timeout, so a mismatched collective
     raises in its rank (with a traceback) well before `timeout`.
     memory_limit_bytes: how many bytes each rank may allocate on top of what it holds when the body starts
-    (RLIMIT_DATA, and RLIMIT_AS for shared mappings: see _apply_limits); beyond that an allocation fails
+    (RLIMIT_DATA, and RLIMIT_AS for shared mappings: see tests/rank_isolation.py, apply_limits); beyond that an allocation fails
     (MemoryError or torch's "can't allocate memory").
     Raises RankFailure on any failure; skips the test when the backend lacks devices (require_backend).
 
-    The autograder sets environment variables (see `_grader_settings`): FSDP_RANK_MEMORY_LIMIT_BYTES (the
+    The autograder sets environment variables (see `grader_settings` in tests/rank_isolation.py): FSDP_RANK_MEMORY_LIMIT_BYTES (the
     default for memory_limit_bytes), FSDP_RANK_TIMEOUT_CAP (seconds: caps timeout and collective_timeout),
     FSDP_RANK_DEADLINE, FSDP_RANK_FILE_LIMIT_BYTES, FSDP_RANK_MAX_PROCESSES and FSDP_RANK_USER (when the harness
     runs as root: run each body as this unprivileged user).
@@ -235,7 +196,7 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     require_backend(backend, world_size)
-    timeout, collective_timeout, memory_limit_bytes, limits, run_as = _grader_settings(
+    timeout, collective_timeout, memory_limit_bytes, limits, run_as = grader_settings(
         timeout, collective_timeout, memory_limit_bytes)
     body_ref = _body_reference(body)
     args_blob = pickle.dumps(args)
@@ -586,7 +547,7 @@ def _tidy_stacks(dump: str) -> str:
     (the harness and multiprocessing frames that called it)."""
     blocks = []
     for block in dump.strip().split("\n\n"):
-        if "in _watch_lifeline" in block:
+        if "in watch_lifeline" in block:
             continue
         kept = []
         for line in block.splitlines():
@@ -644,13 +605,13 @@ _body_code = None  # the body's code object, once found: where a rank's tracebac
 def _rank_main(config: dict, conn, lifeline) -> None:
     """A rank's whole life. It never returns: it ends with os._exit, so no atexit handler or leftover thread
     of the body can keep it alive or change its exit code."""
-    _close_inherited_fds(keep={conn.fileno(), lifeline.fileno()})
+    close_inherited_fds(keep={conn.fileno(), lifeline.fileno()})
     os.setsid()  # own process group: the parent kills it, and everything it spawns, with one killpg
-    threading.Thread(target=_watch_lifeline, args=(lifeline,), name="harness-lifeline", daemon=True).start()
+    threading.Thread(target=watch_lifeline, args=(lifeline,), name="harness-lifeline", daemon=True).start()
     # Both files are created here, in the parent's directory (the rank user cannot write there), before the
     # rank drops privileges: the body writes through the descriptors and cannot replace the files.
-    _redirect_output(config["out_path"])
-    stack_file = os.fdopen(_create_private(config["stack_path"]), "w")
+    redirect_output(config["out_path"])
+    stack_file = os.fdopen(create_private(config["stack_path"]), "w")
     import faulthandler
     faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults, aborts: stacks into the output file
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
@@ -679,23 +640,6 @@ def _rank_main(config: dict, conn, lifeline) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _close_inherited_fds(keep: set[int]) -> None:
-    """Close every descriptor the rank inherited but stdin/out/err and ``keep``: the forkserver's, and the write
-    end of the grading process's multiprocessing resource tracker (through which a rank could have the tracker,
-    run by the grader, unlink a file or semaphore of the grader's, and fill its log). Nothing of this rank's own
-    is open yet."""
-    from multiprocessing import resource_tracker
-    tracker = resource_tracker._resource_tracker
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd > 2 and fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass  # the listing's own descriptor, closed already
-    tracker._fd = tracker._pid = None  # if the body uses shared memory, it starts a tracker of its own
 
 
 def _run_body(config: dict, sendable):
@@ -728,11 +672,11 @@ def _run_body(config: dict, sendable):
     global _body_code
     _body_code = getattr(body, "__code__", None)
     args = pickle.loads(config["args_blob"])
-    _apply_limits(config["memory_limit_bytes"], config.get("limits") or {})
+    apply_limits(config["memory_limit_bytes"], config.get("limits") or {})
     if config.get("run_as") is not None:  # last: the harness and the test module were set up as ourselves
-        _drop_privileges(*config["run_as"])
+        drop_privileges(*config["run_as"])
     if os.environ.get("FSDP_TRACE_TASK_CALLS"):  # staff/autograder/measure_times.py: which task functions run
-        _trace_task_calls(os.environ["FSDP_TRACE_TASK_CALLS"])
+        trace_task_calls(os.environ["FSDP_TRACE_TASK_CALLS"])
     result = body(rank, world_size, *args)
     result = sendable(result, "result")
     if not dist.is_initialized():
@@ -746,26 +690,6 @@ def _run_body(config: dict, sendable):
                         f"{_first_line(str(e))}") from None
     dist.destroy_process_group()
     return result
-
-
-def _trace_task_calls(path: str) -> None:
-    """Append "taskN_x.py:function" to `path` the first time each function of a task file runs in this rank.
-    Staff measurement only (the grading plugin reads the result to know which tests call a function that hung);
-    sys.setprofile slows every call, so timings are measured in runs without it."""
-    seen: set = set()
-    pattern = re.compile(r"fsdp_assignment[/\\](task\d_\w+\.py)$")
-
-    def profile(frame, event, arg):
-        if event != "call" or frame.f_code in seen:
-            return
-        seen.add(frame.f_code)
-        m = pattern.search(frame.f_code.co_filename)
-        if m:
-            with open(path, "a") as f:
-                f.write(f"{m.group(1)}:{frame.f_code.co_name}\n")
-
-    threading.setprofile(profile)
-    sys.setprofile(profile)
 
 
 def _format_traceback(e: BaseException) -> str:
@@ -792,53 +716,6 @@ def _find_body(ref: dict):
     for part in ref["qualname"].split("."):
         found = getattr(found, part)
     return found
-
-
-def _drop_privileges(uid: int, gid: int) -> None:
-    # Every thread of the process (glibc applies setuid to all of them), before any student code runs: the body
-    # can then write neither the grader's files nor its results, nor signal the grading process.
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
-    os.environ["HOME"] = os.environ.get("TMPDIR") or tempfile.gettempdir()
-
-
-def _apply_limits(memory_limit_bytes: int | None, limits: dict) -> None:
-    """Hard limits (the body cannot raise them again), applied just before the body runs.
-
-    Memory, two ways. RLIMIT_DATA counts private writable mappings (malloc, the large mmaps behind tensors)
-    but not the address space torch and glibc reserve without using, so a test's number means "this much
-    more". It does not count MAP_SHARED memory (1.5 GiB passed under a 256 MiB limit), so RLIMIT_AS, which
-    counts every mapping, backs it up, with room for the reservations a rank makes as it runs (thread stacks,
-    gloo's buffers; MEMORY_AS_SLACK_BYTES, measured). Both are relative to the usage now, after torch and the
-    process group are set up. glibc's per-thread malloc arenas (64 MiB of address space each) are capped at
-    two first, so the address space a rank reserves does not grow with its thread count.
-
-    A cgroup would count everything a rank's processes use, but needs a writable cgroup file system, which
-    a Gradescope container (Docker, cgroup file system read-only, no CAP_SYS_ADMIN) does not give; rlimits work
-    in any container.
-
-    Files: RLIMIT_FSIZE bounds each file a rank writes (its output too), and SIGXFSZ is ignored so a write past
-    it fails with "File too large" (OSError) instead of killing the rank without a word. Processes:
-    RLIMIT_NPROC bounds the rank user's processes and threads (a fork bomb stops there)."""
-    if memory_limit_bytes is not None:
-        try:
-            libc = __import__("ctypes").CDLL(None)
-            libc.mallopt(-8, 2)  # M_ARENA_MAX = 2
-        except (OSError, AttributeError):
-            pass
-        with open("/proc/self/status") as f:
-            status = {line.split(":")[0]: int(line.split()[1]) for line in f if line.startswith(("VmData:",
-                                                                                                "VmSize:"))}
-        data = status["VmData"] * 1024 + int(memory_limit_bytes)
-        resource.setrlimit(resource.RLIMIT_DATA, (data, data))
-        space = status["VmSize"] * 1024 + int(memory_limit_bytes) + MEMORY_AS_SLACK_BYTES
-        resource.setrlimit(resource.RLIMIT_AS, (space, space))
-    if limits.get("fsize") is not None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize"], limits["fsize"]))
-    if limits.get("nproc") is not None:
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"], limits["nproc"]))
 
 
 class _BadResult(TypeError):
@@ -880,31 +757,3 @@ def _sendable(value, where: str):
     raise _BadResult(f"returned an object of type {type(value).__module__}.{type(value).__qualname__} at "
                      f"{where}: a body may return tensors, bool, int, float, str, None, torch.dtype, "
                      f"torch.Size, and lists, tuples and dicts of these")
-
-
-def _create_private(path: str) -> int:
-    """A new file for this rank to write: never an existing one, never through a link."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC,
-                   0o600)
-
-
-def _redirect_output(path: str) -> None:
-    fd = _create_private(path)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
-    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
-
-
-def _watch_lifeline(lifeline) -> None:
-    """Block until the pytest process is gone (EOF on the lifeline), then kill this rank's whole group."""
-    while True:
-        try:
-            lifeline.recv_bytes()
-        except (EOFError, OSError):
-            break
-    try:
-        os.killpg(0, signal.SIGKILL)
-    finally:
-        os._exit(137)

@@ -243,7 +243,7 @@ def test_collective_on_one_rank_is_killed_at_timeout_with_stacks(tmp_path):
     assert message.startswith(f"timed out after {timeout} s: ranks 0, 1 of 2 did not finish")
     assert "rank 0 stacks" in message and "rank 1 stacks" in message
     assert "in all_reduce" in message and "in broadcast" in message and "in _collective_only_on_rank0" in message
-    assert "_watch_lifeline" not in message  # the harness's own thread is left out
+    assert "watch_lifeline" not in message  # the harness's own thread is left out
     _assert_all_dead(_read_pids(tmp_path))  # ranks and the processes they spawned
 
 

@@ -49,6 +49,7 @@ BUNDLE_GLOBS = (
     "tests/__init__.py",
     "tests/conftest.py",
     "tests/harness.py",
+    "tests/rank_isolation.py",
     "tests/points.py",
     "tests/public/*.py",
     "tests/hidden/*.py",

@@ -217,7 +217,8 @@ def usable_rank_user(user: str | None, tree: Path) -> tuple[str | None, str]:
         return None, f"ranks run as root: user {user!r} is root"
     import importlib.util
     torch_spec = importlib.util.find_spec("torch")
-    paths = [sys.executable, os.__file__, str(tree / "adapters.py"), str(tree / "tests" / "harness.py")]
+    paths = [sys.executable, os.__file__, str(tree / "adapters.py"), str(tree / "tests" / "harness.py"),
+             str(tree / "tests" / "rank_isolation.py")]
     if torch_spec is not None and torch_spec.origin:
         paths.append(torch_spec.origin)
     pid = os.fork()

@@ -38,9 +38,15 @@ What it does:
   tests are not run; passing tests are never charged, so a loaded machine cannot cut a correct task); and once a test hung
   (the harness's timeout, which shows every hung rank's stack), each hung rank's innermost task function is blamed,
   and every later test that calls all the blamed functions (``calls`` in the file: the reference's calls, traced)
-  is reported at once as "not run: <function> hung in <test>" instead of waiting for it again. (A collective that
-  a peer never joins fails by itself at the collective timeout, 10 s, with one rank's traceback, which cannot tell
-  the culprit from its victims: it is not blamed, and costs its 10 s each time.)
+  runs as a *probe*: with a shorter time limit, ``max(PROBE_FLOOR_S, PROBE_FACTOR * its reference time)``, still
+  above what it needs at load 10. A hang is often confined to one branch of a function (one configuration, one
+  switch), and the tests that never take that branch keep their points; each one that does take it costs a probe.
+  Only once the functions hung in ``HANG_CONFIRMATIONS`` test functions (the parametrizations of one test count
+  once) and no test calling them passed since the first
+  hang (they hang whatever the configuration) are the later tests that call them reported at once as "not run:
+  <function> hung in <tests>". (A collective that a peer never joins fails by itself at the collective timeout,
+  10 s, with one rank's traceback, which cannot tell the culprit from its victims: it is not blamed, and costs its
+  10 s each time.)
 - **Ordering** (for the mutation self-test): ``--grade-first SUBSTRING`` (repeatable) runs the tests whose node id
   contains it first, then ``--grade-first-task N`` runs task N's tests next; otherwise tests run task by task,
   public before hidden.
@@ -295,6 +301,9 @@ class Grader:
         seconds = self.limits.start_test(item, rec.task, time.time() - self.start)
         if seconds is not None:
             rec.notes.append(f"time limit: {seconds:.0f} s")
+            probe = self.limits.probe_note()
+            if probe is not None:
+                rec.notes.append(probe)
         if self.memory_watch is not None:
             self.memory_watch.start()
         return None
@@ -324,7 +333,9 @@ class Grader:
                 hung = self.limits.record_failure(item.nodeid, rec.name, call.excinfo.value)
                 if hung:
                     rec.notes.append(f"note: {' and '.join(hung)} hung here: later tests that call "
-                                     f"{'it' if len(hung) == 1 else 'them all'} are reported as not run at once")
+                                     f"{'it' if len(hung) == 1 else 'them all'} run with a shorter time limit (a "
+                                     f"probe), and once {HANG_CONFIRMATIONS} test functions hung with none passing, the "
+                                     f"rest are reported as not run at once")
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_teardown(self, item, nextitem) -> None:
@@ -537,6 +548,9 @@ BACKSTOP_MARGIN_S = 60.0     # after the harness's deadline: its stack dumps and
 # single-process checks in the parent; pytest-timeout fires only when the parent itself is blocked
 TEST_TIMEOUT_FLOOR_S = 30.0   # no test gets less: start-up alone (fork, process group) takes seconds under load
 TEST_TIMEOUT_FACTOR = 15.0    # x the reference's quiet time; the reference ran 9.5x slower at load 10 (issue 8)
+PROBE_FLOOR_S = 12.0          # a probe's limit (a test that calls a function that hung elsewhere): start-up under
+PROBE_FACTOR = 10.0           # load, and 10x the reference's time (it ran 9.5x slower at load 10), no more
+HANG_CONFIRMATIONS = 3        # hung in this many test functions, none passing in between: it hangs always
 LOAD_FACTOR = 10.0            # what a task is expected to need: 10x its reference time (load 10), ...
 NEED_FLOOR_S = 2.0            # ... counting each test as at least this long (start-up: fork, process group)
 UNKNOWN_TEST_S = 5.0          # a test missing from the times file (regenerate it: measure_times.py)
@@ -601,7 +615,10 @@ class TimeLimits:
         self.share: dict[int, float] = {}
         self.lost: dict[int, float] = {}      # seconds of tests that did not pass, per task
         self.left: dict[int, int] = {}       # tests not yet run, per task
-        self.hung: dict[frozenset, str] = {}  # functions blamed together (one per hung rank) -> the test
+        # functions blamed together (one per hung rank) -> {"tests": the tests they hung in, "passed": how many
+        # later tests that call them all passed (the hang is confined to a branch: keep probing)}
+        self.hung: dict[frozenset, dict] = {}
+        self.probing: list[frozenset] = []    # the blamed sets the running test calls (it runs as a probe)
         self.started_at: float | None = None
         self.durations: dict[str, float] = {}
         self.unknown: list[str] = []
@@ -632,13 +649,19 @@ class TimeLimits:
         if not self.enabled:
             return None
         calls = set(self.times.get(nodeid, {}).get("calls", []))
-        for functions, where in self.hung.items():
-            if functions <= calls:
+        self.probing = [functions for functions in self.hung if functions <= calls]
+        for functions in self.probing:
+            seen = self.hung[functions]
+            # distinct test functions: the parametrizations of one test take the same branch, so they confirm
+            # nothing about the others (three [False-W] cases of one test hung one after the other)
+            if len({t.split("[")[0] for t in seen["tests"]}) >= HANG_CONFIRMATIONS and not seen["passed"]:
                 self._skip(task)
+                self.probing = []
                 names = " and ".join(_function_label(f) for f in sorted(functions))
-                return (f"not run: {names} hung in {where}, and this test calls "
-                        f"{'it' if len(functions) == 1 else 'them'} too (so it is not run: it would wait for the "
-                        f"same hang; fix the hang to have it graded)")
+                return (f"not run: {names} hung in {len(seen['tests'])} tests ({', '.join(seen['tests'])}) and no "
+                        f"test that calls {'it' if len(functions) == 1 else 'them'} has passed since, so it hangs "
+                        f"whatever the configuration; this test calls {'it' if len(functions) == 1 else 'them'} "
+                        f"too (it would wait for the same hang; fix the hang to have it graded)")
         if self.budget is None:
             return None
         if self.lost.get(task, 0.0) >= self.share.get(task, float("inf")):
@@ -655,7 +678,7 @@ class TimeLimits:
         """Set this test's time limit (returned): the harness's deadline and pytest-timeout's backstop."""
         self.started_at = elapsed
         if self.record_dir is not None:
-            if self.record_calls:  # read by the harness in each rank (tests/harness.py, _trace_task_calls)
+            if self.record_calls:  # read by the harness in each rank (tests/rank_isolation.py, trace_task_calls)
                 os.environ["FSDP_TRACE_TASK_CALLS"] = str(Path(self.record_dir) / f"calls-{len(self.durations)}.txt")
             self.durations.setdefault(item.nodeid, 0.0)
             return None
@@ -664,13 +687,31 @@ class TimeLimits:
         # The harness's own timeouts count from the ranks' start, so the forkserver's start-up (the first test
         # imports torch there) does not eat into them.
         seconds = self.limit(item.nodeid)
+        if self.probing:
+            seconds = min(seconds, self.probe_limit(item.nodeid))
         if self.budget is not None:
             seconds = max(1.0, min(seconds, self.budget - elapsed))
         os.environ["FSDP_RANK_DEADLINE"] = f"{time.time() + seconds:.3f}"
         return seconds  # (pytest-timeout's backstop was set at collection: limit + BACKSTOP_MARGIN_S)
 
+    def probe_limit(self, nodeid: str) -> float:
+        return max(PROBE_FLOOR_S, PROBE_FACTOR * self.reference_seconds(nodeid))
+
+    def probe_note(self) -> str | None:
+        """What the running test's output says when it runs as a probe (None when it does not)."""
+        if not self.probing:
+            return None
+        names = "; ".join(f"{' and '.join(_function_label(f) for f in sorted(fs))} hung in "
+                          f"{', '.join(self.hung[fs]['tests'])}" for fs in self.probing)
+        return (f"note: a probe: {names}, and this test calls it too, so it runs with a shorter time limit (enough "
+                f"for it at 10x the reference's time); if it does not take the branch that hangs, it passes")
+
     def end_test(self, nodeid: str, task: int, elapsed: float, call_seconds: float, passed: bool) -> None:
         os.environ.pop("FSDP_RANK_DEADLINE", None)
+        if passed:  # it called every function of these sets and did not hang: the hang is confined to a branch
+            for functions in self.probing:
+                self.hung[functions]["passed"] += 1
+        self.probing = []
         if not passed and task in self.lost and self.started_at is not None:
             self.lost[task] += elapsed - self.started_at
         self._skip(task)
@@ -683,9 +724,13 @@ class TimeLimits:
         if not self.enabled or not _is_hang(exc):
             return []
         blamed = frozenset(hung_functions(str(exc), self.known))
-        if not blamed or blamed in self.hung:
+        if not blamed:
             return []
-        self.hung[blamed] = name.split(": ", 1)[-1]
+        where = name.split(": ", 1)[-1]
+        if blamed in self.hung:
+            self.hung[blamed]["tests"].append(where)
+            return []
+        self.hung[blamed] = {"tests": [where], "passed": 0}
         return [_function_label(f) for f in sorted(blamed)]
 
     def summary(self) -> list[str]:
@@ -694,8 +739,9 @@ class TimeLimits:
             rows.append("task shares of the budget (lost to failing tests/share s): " + ", ".join(
                 f"{t}: {self.lost[t]:.0f}/{self.share[t]:.0f}" for t in sorted(self.share, key=task_order)))
         if self.hung:
-            rows.append("hung: " + "; ".join(f"{' and '.join(_function_label(f) for f in sorted(fs))} in {w}"
-                                             for fs, w in self.hung.items()))
+            rows.append("hung: " + "; ".join(f"{' and '.join(_function_label(f) for f in sorted(fs))} in "
+                                             f"{len(h['tests'])} test(s) ({', '.join(h['tests'])}), "
+                                             f"{h['passed']} later caller(s) passed" for fs, h in self.hung.items()))
         if self.enabled and not self.times:
             rows.append(f"no per-test time limits: {TIMES_FILE.name} not found (python staff/autograder/"
                         f"measure_times.py writes it)")

@@ -3,7 +3,9 @@
 Fast checks, on a tiny fake test tree (no torch in the tests) and on the plugin's pieces:
 - every graded test has a measured time in staff/autograder/test_times.json (else: measure_times.py);
 - a hang is blamed on the innermost task function the reference knows, from faulthandler's stacks or a
-  traceback; later tests that call it are "not run: <function> hung in <test>" at once, others run;
+  traceback; later tests that call it run as probes (a shorter limit), so a hang confined to one branch costs only
+  the tests that take it; once it hung in 3 tests with none passing in between, the rest that call it are "not
+  run: <function> hung in <tests>" at once; tests that do not call it run as usual;
 - each test gets a deadline (FSDP_RANK_DEADLINE, which the harness honours) and a task that loses its share of the
   budget cannot spend another's: its later tests are not run, the next task's tests run.
 """
@@ -147,19 +149,35 @@ def _hang_until_the_deadline(functions):
     raise FakeRankFailure(message, "timeout")
 
 
-@pytest.mark.task1
-def test_1a_hangs():
-    _hang_until_the_deadline(os.environ["FAKE_HANG_IN"])
+def _act(name):
+    """FAKE_PLAN: the tests (by name) that hang; every other test passes."""
+    if name in os.environ.get("FAKE_PLAN", "").split(","):
+        _hang_until_the_deadline(os.environ["FAKE_HANG_IN"])
 
 
 @pytest.mark.task1
-def test_1b_calls_the_hung_function():
-    raise AssertionError("must not run: it calls the function that hung")
+def test_1a():
+    _act("1a")
 
 
 @pytest.mark.task1
-def test_1c_does_not_call_it():
-    pass
+def test_1b():
+    _act("1b")
+
+
+@pytest.mark.task1
+def test_1c():
+    _act("1c")
+
+
+@pytest.mark.task1
+def test_1d():
+    _act("1d")
+
+
+@pytest.mark.task1
+def test_1e():
+    _act("1e")
 
 
 '''
@@ -201,40 +219,72 @@ def _grade(tree: Path, *extra: str, **env) -> dict:
     return {t["name"].split("::", 1)[1]: t for t in data["tests"]} | {"_stdout": proc.stdout}
 
 
-def test_later_tests_that_call_a_hung_function_are_not_run(tmp_path):
-    """Rank 0 hangs in materialize_meta_module (the culprit), rank 1 waits in unshard (a victim: most tests call
-    it): only tests that call both are skipped."""
-    fn, victim = "task1_meta_init.py:materialize_meta_module", "task3_forward.py:unshard"
-    tree = _fake_tree(tmp_path, {"test_1a_hangs": {"seconds": 0.1, "calls": [fn, victim]},
-                                 "test_1b_calls_the_hung_function": {"seconds": 0.1, "calls": [fn, victim]},
-                                 "test_1c_does_not_call_it": {"seconds": 0.1, "calls": [victim]},
+FN, VICTIM = "task1_meta_init.py:materialize_meta_module", "task3_forward.py:unshard"
+BLAMED = ("materialize_meta_module() (Task 1, fsdp_assignment/task1_meta_init.py) and unshard() (Task 3, "
+          "fsdp_assignment/task3_forward.py)")
+
+
+def _calls_tree(tmp_path: Path) -> Path:
+    """1a-1d call the culprit and the victim, 1e only the victim (most tests call unshard)."""
+    both = {"seconds": 0.1, "calls": [FN, VICTIM]}
+    return _fake_tree(tmp_path, {"test_1a": both, "test_1b": both, "test_1c": both, "test_1d": both,
+                                 "test_1e": {"seconds": 0.1, "calls": [VICTIM]},
                                  "test_2a_passes": {"seconds": 0.1, "calls": []}})
-    tests = _grade(tree, "--grade-budget", "15", FAKE_HANG_IN=f"{fn},{victim}")  # the hang fails at once here
-    assert tests["test_1a_hangs"]["status"] == "failed"
-    assert ("materialize_meta_module() (Task 1, fsdp_assignment/task1_meta_init.py) and unshard() (Task 3, "
-            "fsdp_assignment/task3_forward.py) hung here") in tests["test_1a_hangs"]["output"]
-    skipped = tests["test_1b_calls_the_hung_function"]
+
+
+def test_a_function_that_hangs_in_every_test_is_probed_three_times_then_not_run(tmp_path):
+    """Rank 0 hangs in materialize_meta_module (the culprit), rank 1 waits in unshard (a victim): the next tests that
+    call both run as probes (shorter limit) until 3 hung with none passing; the 4th is not run at once; a test
+    that calls only the victim runs as usual."""
+    tests = _grade(_calls_tree(tmp_path), "--grade-budget", "60", FAKE_HANG_IN=f"{FN},{VICTIM}",
+                   FAKE_PLAN="1a,1b,1c,1d")
+    assert tests["test_1a"]["status"] == "failed"
+    assert f"{BLAMED} hung here" in tests["test_1a"]["output"]
+    assert "time limit: 30 s" in tests["test_1a"]["output"] and "note: a probe" not in tests["test_1a"]["output"]
+    for name in ("test_1b", "test_1c"):  # probes: run with 12 s (the floor), and they hang too
+        out = tests[name]["output"]
+        assert tests[name]["status"] == "failed" and "time limit: 12 s" in out, out
+        assert f"note: a probe: {BLAMED} hung in test_fake.py::test_1a" in out, out
+        assert "timed out after 3 s" in out, out  # it ran (the fake hang's message)
+    skipped = tests["test_1d"]
     assert skipped["status"] == "failed" and skipped["score"] == 0
     assert skipped["output"].split("\n\n")[1].startswith(
-        "not run: materialize_meta_module() (Task 1, fsdp_assignment/task1_meta_init.py) and unshard() (Task 3, "
-        "fsdp_assignment/task3_forward.py) hung in test_fake.py::test_1a_hangs"), skipped["output"]
-    assert tests["test_1c_does_not_call_it"]["status"] == "passed"
+        f"not run: {BLAMED} hung in 3 tests (test_fake.py::test_1a, test_fake.py::test_1b, test_fake.py::test_1c) "
+        f"and no test that calls them has passed since"), skipped["output"]
+    # 1e calls only the victim: not a probe, its full limit, graded as usual
+    assert tests["test_1e"]["status"] == "passed" and "time limit: 30 s" in tests["test_1e"]["output"]
+    assert "note: a probe" not in tests["test_1e"]["output"]
     assert tests["test_2a_passes"]["status"] == "passed", tests["test_2a_passes"]["output"]
+    assert "in 3 test(s)" in tests["_stdout"] and "0 later caller(s) passed" in tests["_stdout"]
+
+
+def test_a_hang_confined_to_one_branch_costs_only_the_tests_that_take_it(tmp_path):
+    """The culprit hangs only in some tests (one configuration): a probe that passes shows the hang is confined,
+    so every later test that calls the function still runs (as a probe) and keeps its points if it passes, even
+    after three hangs."""
+    tests = _grade(_calls_tree(tmp_path), "--grade-budget", "60", FAKE_HANG_IN=f"{FN},{VICTIM}",
+                   FAKE_PLAN="1a,1c,1d")
+    assert [tests[f"test_1{c}"]["status"] for c in "abcde"] == ["failed", "passed", "failed", "failed", "passed"]
+    for name in ("test_1b", "test_1c", "test_1d"):
+        assert "note: a probe" in tests[name]["output"], tests[name]["output"]
+    assert "not run" not in tests["test_1d"]["output"] and "timed out after 3 s" in tests["test_1d"]["output"]
+    assert tests["test_1b"]["score"] > 0 and tests["test_1e"]["score"] > 0
+    assert "in 3 test(s)" in tests["_stdout"] and "1 later caller(s) passed" in tests["_stdout"]
 
 
 def test_a_task_that_loses_its_share_to_hangs_runs_no_more_tests(tmp_path):
     """A hang in a function the reference never calls (a student's own): nothing is skipped by name, but once the
     task's failing tests have taken its share, its other tests are not run; the next task runs."""
-    # Needs: task 1 three tests at 10 x 2 s (the floor) = 60; task 2 one test at 10 x 1000 s. Budget 100 s ->
-    # task 1's share is 100 x 60 / 10060 = 0.6 s, which the 2 s hang exceeds.
-    tree = _fake_tree(tmp_path, {"test_1a_hangs": {"seconds": 0.1, "calls": []},
-                                 "test_1b_calls_the_hung_function": {"seconds": 0.1, "calls": []},
-                                 "test_1c_does_not_call_it": {"seconds": 0.1, "calls": []},
+    # Needs: task 1 five tests at 10 x 2 s (the floor) = 100; task 2 one test at 10 x 1000 s. Budget 100 s ->
+    # task 1's share is 100 x 100 / 10100 = 1 s, which the 2 s hang exceeds.
+    none = {"seconds": 0.1, "calls": []}
+    tree = _fake_tree(tmp_path, {"test_1a": none, "test_1b": none, "test_1c": none, "test_1d": none, "test_1e": none,
                                  "test_2a_passes": {"seconds": 1000.0, "calls": []}})
-    tests = _grade(tree, "--grade-budget", "100", FAKE_HANG_IN="task1_meta_init.py:my_own_helper", FAKE_WAIT="2")
-    assert tests["test_1a_hangs"]["status"] == "failed"
-    assert "time limit: 30 s" in tests["test_1a_hangs"]["output"], tests["test_1a_hangs"]["output"]  # the floor
-    for name in ("test_1b_calls_the_hung_function", "test_1c_does_not_call_it"):
+    tests = _grade(tree, "--grade-budget", "100", FAKE_HANG_IN="task1_meta_init.py:my_own_helper", FAKE_WAIT="2",
+                   FAKE_PLAN="1a,1b,1c")
+    assert tests["test_1a"]["status"] == "failed"
+    assert "time limit: 30 s" in tests["test_1a"]["output"], tests["test_1a"]["output"]  # the floor
+    for name in ("test_1b", "test_1c", "test_1d", "test_1e"):
         body = tests[name]["output"].split("\n\n")[1]
         assert body.startswith("not run: Task 1's earlier tests that failed took "), body
         assert "its share of the grading time (1 s of 100 s" in body, body
@@ -242,15 +292,19 @@ def test_a_task_that_loses_its_share_to_hangs_runs_no_more_tests(tmp_path):
     assert "task shares of the budget" in tests["_stdout"]
 
 
-# ---- real hanging submissions, graded in full (slow: three whole grading runs) ---------------------------------
+# ---- real hanging submissions, graded in full (slow: whole grading runs) -------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("case", ["hang_task1", "hang_task4", "hang_task6"])
+@pytest.mark.parametrize("case", ["hang_task1", "hang_task4", "hang_task6", "hang_branch"])
 def test_a_hanging_submission_loses_only_the_tests_that_reach_the_hang(case, tmp_path):
     """The reference with one hang put in (zoo.HANG_CASES), graded like Gradescope (540 s, budget 480 s): every
     test that lost points calls the hung function (so it lost them on the merits, not to the budget), and the
-    run ends by itself. `python staff/autograder/zoo.py --hangs` prints the scores."""
+    run ends by itself. hang_branch hangs only in one branch of post_forward, which nearly every test calls: it
+    must cost only the tests that take the branch (those that fail when the branch raises instead), so the tests
+    after the first hang run as probes and keep their points. `python staff/autograder/zoo.py --hangs` prints
+    the scores."""
     import zoo
     result = zoo.run_hang_case(next(c for c in zoo.HANG_CASES if c.id == case), tmp_path)
     assert not result["problems"], "\n".join(result["problems"]) + "\n" + result["summary"]
-    assert result["lost_by_task"].get(int(case[-1]), 0) > 0, f"the hang in {case} cost nothing:\n{result['summary']}"
+    task = next(c for c in zoo.HANG_CASES if c.id == case).task
+    assert result["lost_by_task"].get(task, 0) > 0, f"the hang in {case} cost nothing:\n{result['summary']}"

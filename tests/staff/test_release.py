@@ -208,19 +208,38 @@ def test_make_submission_reports_failing_tests(tmp_path):
     assert proc.returncode == 1 and release.TASK_FILES[3] in proc.stderr, proc.stdout + proc.stderr
 
 
-def _grade_zip(zip_path: Path, source: Path, root: Path) -> dict:
+SHARED_PLACES = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+
+
+def _grade_zip(zip_path: Path, source: Path, root: Path, *, results_in_shared_dir: bool = False) -> dict:
     """Grade a submission zip the way Gradescope does: the bundle's staff tree in R/source, the zip unpacked in
-    R/submission, ``staff/autograder/grade.py --autograder-root R`` (rank bodies as the current user)."""
+    R/submission, ``staff/autograder/grade.py --autograder-root R`` (rank bodies as the current user).
+    With ``results_in_shared_dir``, ``--results`` points into a world-writable sticky folder (like /tmp): grading
+    must leave its mode alone (once it made /tmp 0700, and every later SLURM test failed). The machine's own shared
+    folders must keep their modes in every case."""
     if root.exists():
         shutil.rmtree(root)
     (root / "submission").mkdir(parents=True)
     shutil.copytree(source, root / "source")
     with zipfile.ZipFile(zip_path) as zf:
         zf.extractall(root / "submission")
-    proc = subprocess.run([sys.executable, str(root / "source" / "staff" / "autograder" / "grade.py"),
-                           "--autograder-root", str(root), "--rank-user", "none"],
-                          cwd=root, env=_clean_env(), capture_output=True, text=True, timeout=1500)
+    shared_modes = {p: os.stat(p).st_mode for p in SHARED_PLACES if os.path.isdir(p)}
     results = root / "results" / "results.json"
+    extra = []
+    if results_in_shared_dir:
+        shared = root / "shared"
+        shared.mkdir()
+        shared.chmod(0o1777)
+        results = shared / "results.json"
+        extra = ["--results", str(results)]
+    proc = subprocess.run([sys.executable, str(root / "source" / "staff" / "autograder" / "grade.py"),
+                           "--autograder-root", str(root), "--rank-user", "none", *extra],
+                          cwd=root, env=_clean_env(), capture_output=True, text=True, timeout=1500)
+    changed = {p: (oct(m), oct(os.stat(p).st_mode)) for p, m in shared_modes.items() if os.stat(p).st_mode != m}
+    if results_in_shared_dir:
+        mode = (root / "shared").stat().st_mode & 0o7777
+        assert mode == 0o1777, f"grading changed a shared --results folder's mode to {oct(mode)}"
+    assert not changed, f"grading changed the modes of shared folders (before, after): {changed}"
     assert results.exists(), f"grade.py wrote no results.json (exit code {proc.returncode}):\n{_tail(proc)}"
     data = json.loads(results.read_text())
     data["_log"] = _tail(proc)
@@ -253,7 +272,7 @@ def test_release_submission_is_graded_by_the_bundle(tmp_path):
         proc = subprocess.run(["bash", "make_submission.sh", "--skip-tests", "-o", zip_path.name], cwd=dest,
                               env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, _tail(proc)
-        data = _grade_zip(zip_path, source, tmp_path / f"autograder-{label}")
+        data = _grade_zip(zip_path, source, tmp_path / f"autograder-{label}", results_in_shared_dir=not expect_full)
         # The required tests' maximum: bonus tests (tag "bonus") are reported apart from the score.
         max_score = sum(t["max_score"] for t in data["tests"] if "bonus" not in t.get("tags", []))
         assert data["tests"], f"{label}: no graded tests\n{data['_log']}"

@@ -1,0 +1,173 @@
+"""What a rank does to itself, and what the autograder asks of it: the isolation and limits of tests/harness.py.
+
+A student reading a failure needs only tests/harness.py (run_ranks, its messages). This module holds the parts
+that keep a rank from harming the machine or the grader, all applied inside the rank before the body runs:
+
+- ``grader_settings``: the autograder's overrides, read from the environment (timeouts, memory, files,
+  processes, the unprivileged rank user); unset, the call's own values apply and nothing else changes.
+- ``close_inherited_fds``, ``create_private``, ``redirect_output``: a rank starts with no descriptor of the
+  grader's and writes its output and stacks into files it cannot swap for links.
+- ``watch_lifeline``: the rank kills its own process group when the pytest process goes away.
+- ``apply_limits``, ``drop_privileges``: hard rlimits, then the rank user, right before the body.
+- ``trace_task_calls``: staff measurement (which task functions a test calls; measure_times.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+MEMORY_AS_SLACK_BYTES = 256 << 20  # address space a rank may reserve beyond its memory limit: a correct
+# implementation reserves at most 63 MiB more after the limit is set (measured over every public and hidden test); 4x that
+
+def grader_settings(timeout: float, collective_timeout: float, memory_limit_bytes: int | None):
+    """The autograder's overrides, from the environment (unset: the call's own values, and no user change).
+
+    FSDP_RANK_MEMORY_LIMIT_BYTES: memory_limit_bytes for calls that give none (a memory bomb then fails its
+    own test instead of the whole machine). FSDP_RANK_TIMEOUT_CAP: an upper bound, in seconds, on timeout and
+    collective_timeout. FSDP_RANK_DEADLINE: the time (time.time()) by which the current test must end (the
+    grading plugin's per-test limit, staff/autograder/grading_plugin.py): timeouts shrink to what is left of
+    it, so a test that calls run_ranks several times still ends by then. FSDP_RANK_FILE_LIMIT_BYTES: the largest file a rank may write (RLIMIT_FSIZE; its
+    output file included). FSDP_RANK_MAX_PROCESSES: how many processes and threads the rank user may have at
+    once (RLIMIT_NPROC; only with FSDP_RANK_USER, since it counts every process of the user). FSDP_RANK_USER: a
+    user name; when this process is root, each rank drops to that user right before the body runs (returned as
+    (uid, gid)); otherwise it is ignored."""
+    cap = os.environ.get("FSDP_RANK_TIMEOUT_CAP", "").strip()
+    if cap:
+        timeout, collective_timeout = min(timeout, float(cap)), min(collective_timeout, float(cap))
+    deadline = os.environ.get("FSDP_RANK_DEADLINE", "").strip()
+    if deadline:  # the grading plugin's time limit for the whole test (time.time()): what is left of it
+        left = max(1.0, float(deadline) - time.time())
+        timeout, collective_timeout = min(timeout, left), min(collective_timeout, left)
+    limit = os.environ.get("FSDP_RANK_MEMORY_LIMIT_BYTES", "").strip()
+    if memory_limit_bytes is None and limit:
+        memory_limit_bytes = int(limit)
+    run_as = None
+    user = os.environ.get("FSDP_RANK_USER", "").strip()
+    if user and os.geteuid() == 0:
+        import pwd
+        entry = pwd.getpwnam(user)
+        if entry.pw_uid != 0:
+            run_as = (entry.pw_uid, entry.pw_gid)
+    limits = {}
+    file_limit = os.environ.get("FSDP_RANK_FILE_LIMIT_BYTES", "").strip()
+    if file_limit:
+        limits["fsize"] = int(file_limit)
+    nproc = os.environ.get("FSDP_RANK_MAX_PROCESSES", "").strip()
+    if nproc and run_as is not None:
+        limits["nproc"] = int(nproc)
+    return timeout, collective_timeout, memory_limit_bytes, limits, run_as
+
+def close_inherited_fds(keep: set[int]) -> None:
+    """Close every descriptor the rank inherited but stdin/out/err and ``keep``: the forkserver's, and the write
+    end of the grading process's multiprocessing resource tracker (through which a rank could have the tracker,
+    run by the grader, unlink a file or semaphore of the grader's, and fill its log). Nothing of this rank's own
+    is open yet."""
+    from multiprocessing import resource_tracker
+    tracker = resource_tracker._resource_tracker
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the listing's own descriptor, closed already
+    tracker._fd = tracker._pid = None  # if the body uses shared memory, it starts a tracker of its own
+
+def trace_task_calls(path: str) -> None:
+    """Append "taskN_x.py:function" to `path` the first time each function of a task file runs in this rank.
+    Staff measurement only (the grading plugin reads the result to know which tests call a function that hung);
+    sys.setprofile slows every call, so timings are measured in runs without it."""
+    seen: set = set()
+    pattern = re.compile(r"fsdp_assignment[/\\](task\d_\w+\.py)$")
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_code in seen:
+            return
+        seen.add(frame.f_code)
+        m = pattern.search(frame.f_code.co_filename)
+        if m:
+            with open(path, "a") as f:
+                f.write(f"{m.group(1)}:{frame.f_code.co_name}\n")
+
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+
+def drop_privileges(uid: int, gid: int) -> None:
+    # Every thread of the process (glibc applies setuid to all of them), before any student code runs: the body
+    # can then write neither the grader's files nor its results, nor signal the grading process.
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    os.environ["HOME"] = os.environ.get("TMPDIR") or tempfile.gettempdir()
+
+
+def apply_limits(memory_limit_bytes: int | None, limits: dict) -> None:
+    """Hard limits (the body cannot raise them again), applied just before the body runs.
+
+    Memory, two ways. RLIMIT_DATA counts private writable mappings (malloc, the large mmaps behind tensors)
+    but not the address space torch and glibc reserve without using, so a test's number means "this much
+    more". It does not count MAP_SHARED memory (1.5 GiB passed under a 256 MiB limit), so RLIMIT_AS, which
+    counts every mapping, backs it up, with room for the reservations a rank makes as it runs (thread stacks,
+    gloo's buffers; MEMORY_AS_SLACK_BYTES, measured). Both are relative to the usage now, after torch and the
+    process group are set up. glibc's per-thread malloc arenas (64 MiB of address space each) are capped at
+    two first, so the address space a rank reserves does not grow with its thread count.
+
+    A cgroup would count everything a rank's processes use, but needs a writable cgroup file system, which
+    a Gradescope container (Docker, cgroup file system read-only, no CAP_SYS_ADMIN) does not give; rlimits work
+    in any container.
+
+    Files: RLIMIT_FSIZE bounds each file a rank writes (its output too), and SIGXFSZ is ignored so a write past
+    it fails with "File too large" (OSError) instead of killing the rank without a word. Processes:
+    RLIMIT_NPROC bounds the rank user's processes and threads (a fork bomb stops there)."""
+    if memory_limit_bytes is not None:
+        try:
+            libc = __import__("ctypes").CDLL(None)
+            libc.mallopt(-8, 2)  # M_ARENA_MAX = 2
+        except (OSError, AttributeError):
+            pass
+        with open("/proc/self/status") as f:
+            status = {line.split(":")[0]: int(line.split()[1]) for line in f if line.startswith(("VmData:",
+                                                                                                "VmSize:"))}
+        data = status["VmData"] * 1024 + int(memory_limit_bytes)
+        resource.setrlimit(resource.RLIMIT_DATA, (data, data))
+        space = status["VmSize"] * 1024 + int(memory_limit_bytes) + MEMORY_AS_SLACK_BYTES
+        resource.setrlimit(resource.RLIMIT_AS, (space, space))
+    if limits.get("fsize") is not None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize"], limits["fsize"]))
+    if limits.get("nproc") is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"], limits["nproc"]))
+
+def create_private(path: str) -> int:
+    """A new file for this rank to write: never an existing one, never through a link."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC,
+                   0o600)
+
+
+def redirect_output(path: str) -> None:
+    fd = create_private(path)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+
+
+def watch_lifeline(lifeline) -> None:
+    """Block until the pytest process is gone (EOF on the lifeline), then kill this rank's whole group."""
+    while True:
+        try:
+            lifeline.recv_bytes()
+        except (EOFError, OSError):
+            break
+    try:
+        os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(137)
