@@ -46,7 +46,9 @@ def record_forward_order(unit: FSDPUnit) -> None:
 
 
 def prefetch_forward(unit: FSDPUnit) -> None:
-    """Issue the async all-gather of the unit that ran right after ``unit`` in the previous forward."""
+    """Issue the async all-gather of the unit that ran right after ``unit`` in the previous forward, unless
+    that unit has already run in this forward (``unit`` runs a second time, after its successor: the
+    successor's gather would go unused until backward, a third unit unsharded all along)."""
     raise NotImplementedError("Task 6: implement prefetch_forward() in fsdp_assignment/task6_prefetch.py (see its docstring)")
 
 

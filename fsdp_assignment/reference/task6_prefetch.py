@@ -61,11 +61,14 @@ def _issue_unshard(unit: FSDPUnit) -> None:
 
 
 def prefetch_forward(unit: FSDPUnit) -> None:
-    """Issue the async all-gather of the unit that ran right after ``unit`` in the previous forward."""
-    order = unit.shared.forward_order
+    """Issue the async all-gather of the unit that ran right after ``unit`` in the previous forward, unless
+    that unit has already run in this forward (``unit`` runs a second time, after its successor: the
+    successor's gather would go unused until backward, a third unit unsharded all along)."""
+    shared = unit.shared
+    order = shared.forward_order
     if unit in order:
         i = order.index(unit)
-        if i + 1 < len(order):
+        if i + 1 < len(order) and order[i + 1] not in shared.recording_order:
             _issue_unshard(order[i + 1])
 
 

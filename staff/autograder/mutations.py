@@ -250,6 +250,11 @@ MUTANTS: list[Mutant] = [
            "    out.update({k: v.detach().clone() for k, v in _buffers(module).items() if v.is_floating_point()})",
            "leaves integer and boolean buffers out of the model state dict (FSDP2 keeps them)", "",
            "test_generated_scripts_match_torch_fsdp2"),
+    Mutant("m44", 6, "        if i + 1 < len(order) and order[i + 1] not in shared.recording_order:",
+           "        if i + 1 < len(order):",
+           "forward-prefetches the unit after one that runs a second time, although it already ran: it stays "
+           "unsharded, unused, through backward (three units at once)", "",
+           "test_prefetch_with_a_block_run_twice_keeps_two_units_unsharded"),
     Mutant("m40", 7, "        if owner is not None and owner[0]() is not None:\n",
            "        if owner is not None and any(owner[0]() is u.module for u in fsdp_units(module)):\n",
            "rejects a weight tied to a child unit's but not one tied to a sibling's: fully_shard(m.embed); "
@@ -474,7 +479,7 @@ KIND_OF: dict[str, str] = {
     "m28": "memory", "m29": "checkpoint", "m30": "checkpoint", "m31": "checkpoint", "m32": "memory",
     "m33": "waste", "m34": "async", "m35": "ownership", "m36": "precision", "m37": "accumulation",
     "m38": "lifecycle", "m39": "ownership", "m40": "ownership", "m41": "waste", "m42": "state",
-    "m43": "checkpoint",
+    "m43": "checkpoint", "m44": "memory",
     "g01": "state", "g02": "state", "g03": "state", "g04": "state", "g05": "precision", "g06": "async",
     "g07": "waste", "g08": "lifecycle", "g09": "waste", "g10": "precision", "g11": "waste", "g12": "checkpoint",
     "g13": "checkpoint", "g14": "memory", "g15": "memory", "g16": "waste", "g17": "waste", "g18": "waste",

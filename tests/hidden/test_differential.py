@@ -54,14 +54,11 @@ def compare(cfg: dict, ours: list[dict], fsdp2: list[dict]) -> None:
     rtol = 2e-3 if cfg["mixed_precision"] else RTOL[cfg["dtype"]]
     parent_model = build(cfg)
     collectives = not (cfg["run_twice"] or cfg["aux_only"])
-    # The bound on unsharded units is checked unless a unit runs twice in one forward with prefetching: the
-    # recorded order then holds that unit twice (see the report of issue 17 on the reference).
-    bounded = not (cfg["run_twice"] and cfg["prefetch_flip"])
     for rank, (a, b) in enumerate(zip(ours, fsdp2)):
         where = f"{name}, rank {rank}"
         check_monitor(b["monitor"], parent_model, cfg["world_size"], where + " [torch FSDP2]", layout="per_param",
                       collectives=collectives)
-        check_monitor(a["monitor"], parent_model, cfg["world_size"], where, collectives=collectives, bounded=bounded)
+        check_monitor(a["monitor"], parent_model, cfg["world_size"], where, collectives=collectives)
         assert len(a["losses"]) == len(b["losses"]), f"{where}: {len(a['losses'])} losses, FSDP2 {len(b['losses'])}"
         for i, (la, lb) in enumerate(zip(a["losses"], b["losses"])):
             assert abs(la - lb) <= max(rtol, 1e-6) * max(1.0, abs(lb)), f"{where}: loss {i}: {la} vs FSDP2 {lb}"

@@ -12,7 +12,7 @@ from fsdp_assignment.support.models import gpt_batch, gpt_loss
 from tests.harness import run_ranks
 from tests.public.common import assert_close, check_flat_params, expected_shard, full_params_of
 from tests.public.test_task4_backward import check_lora, lora_run
-from tests.hidden.scenarios.task6 import CFG, ORDERS, ReorderedGPT, _both, _reorder  # noqa: F401 (what the ranks run)
+from tests.hidden.scenarios.task6 import CFG, ORDERS, TWICE, ReorderedGPT, _both, _reorder  # noqa: F401 (what the ranks run)
 
 pytestmark = pytest.mark.task6
 
@@ -23,11 +23,11 @@ pytestmark = pytest.mark.task6
 RELEARNED_STEP, SKIP_STEP = 3, 4
 
 
-def _train_reordered_single_process(world_size):
+def _train_reordered_single_process(world_size, orders=ORDERS):
     torch.manual_seed(0)
     model = ReorderedGPT(CFG)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step, order in enumerate(ORDERS):
+    for step, order in enumerate(orders):
         model.order = order
         idx, tgt = gpt_batch(CFG, 2 * world_size, seed=step)
         optim.zero_grad()
@@ -104,6 +104,29 @@ def test_prefetch_follows_a_changed_order_and_frees_units_that_never_run():
                 f"rank {rank}: unit '{desc['prefix'] or '<root>'}' after {len(ORDERS)} steps with changing block "
                 f"orders and a skipped block, against single-process training: a prefetched gather must never "
                 f"serve parameters of an earlier step"))
+
+
+@pytest.mark.weight(1)
+def test_prefetch_with_a_block_run_twice_keeps_two_units_unsharded():
+    """Block 0 runs again after block 3 (blocks 0-3-... of 4): the unit after it in the recorded order (block 1) has
+    already run in this forward, so prefetching it now would keep it unsharded, unused, through the backward of
+    blocks 3 and 2: three non-root units at once."""
+    world_size = 2
+    expected = _train_reordered_single_process(world_size, TWICE)
+    full = full_params_of(expected)
+    for rank, got in enumerate(run_ranks(_reorder, world_size, TWICE)):
+        for step, worst in got["max_unsharded"].items():
+            assert worst <= 2, (
+                f"rank {rank}: step {step}, blocks run in the order {TWICE[step]}: {worst} non-root units were "
+                f"unsharded at once (at most 2). When a unit runs a second time, the unit after it in the "
+                f"recorded order has already run in this forward: do not prefetch it again")
+        for step, left in got["unsharded_after_backward"].items():
+            assert left == [], f"rank {rank}: units still unsharded after backward of step {step}: {left}"
+        check_flat_params(got["flat"], expected, [f"blocks.{i}." for i in range(CFG.n_layer)] + [""], f"rank {rank}")
+        for desc in got["flat"]:
+            assert_close(desc["shard"], expected_shard(desc, full),
+                         f"rank {rank}: unit '{desc['prefix'] or '<root>'}' after {len(TWICE)} steps with block 0 "
+                         f"run twice, against single-process training")
 
 
 @pytest.mark.weight(2)

@@ -91,9 +91,10 @@ class ReorderedGPT(GPT):
 
 
 ORDERS = [[0, 1, 2, 3], [0, 1, 2, 3], [3, 2, 1, 0], [3, 2, 1, 0], [3, 2, 1], [3, 2, 1, 0]]
+TWICE = [[0, 1, 2, 3, 0]] * 3  # block 0 runs again after block 3, every step
 
 
-def _reorder(rank, world_size):
+def _reorder(rank, world_size, orders=ORDERS):
     log = use_counted_collectives(late=True)
     torch.manual_seed(0)
     model = ReorderedGPT(CFG)
@@ -121,7 +122,7 @@ def _reorder(rank, world_size):
     log.listener = on_collective
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     traced, after_backward = {}, {}
-    for step, order in enumerate(ORDERS):
+    for step, order in enumerate(orders):
         model.order = order
         events.clear()
         idx, tgt = local_batch(CFG, rank, world_size, step)
