@@ -58,7 +58,7 @@ BUNDLE_GLOBS = (
     "staff/autograder/grading_plugin.py",
     "staff/autograder/grade.py",
     "staff/autograder/student_limits.py",  # the per-student memory watch the grading plugin runs
-    "staff/autograder/test_times.json",  # per-test time limits and hung-function skips (grading_plugin.py)
+    "staff/autograder/test_times.json",  # per-test time limits and the calls that decide hang probes (grading_plugin.py)
 )
 
 SETUP_SH = r"""#!/usr/bin/env bash

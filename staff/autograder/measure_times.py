@@ -4,8 +4,8 @@
     python staff/autograder/measure_times.py --runs 1     # quicker, noisier
 
 The grading plugin (grading_plugin.py, "Time limits") derives each test's time limit and each task's share of the
-grading budget from these figures, and uses the traced calls to skip, at once, later tests that call a function
-that already hung. Regenerate the file whenever tests are added, renamed or made much slower
+grading budget from these figures, and uses the traced calls to know which later tests call a function that
+already hung (they run as probes, with a shorter limit). Regenerate the file whenever tests are added, renamed or made much slower
 (tests/staff/test_grading_budget.py fails when a graded test is missing from it).
 
 Each run grades the reference's task files in a fresh staged tree (as the mutation self-test does) with
