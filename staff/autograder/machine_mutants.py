@@ -49,11 +49,40 @@ NEW_TESTS: dict[str, dict] = {
         {"seconds": 0.3, "calls": ["task1_meta_init.py:materialize_meta_module"]},
 }
 
+# Survivors that only a GPU can kill (reported as survivors, with this reason): the CPU-offload bonus keeps a
+# shard on the CPU and gathers into a CUDA buffer; on a CPU-only machine a shard and its buffer share the device.
+GPU_ONLY: dict[str, str] = {
+    "task3_forward.py:ReplaceComparisonOperator_NotEq_Eq:2":
+        "`shard.device == buffer.device`: a CPU-offloaded shard is not moved to the GPU before the all-gather; "
+        "killed only by the NCCL variant of the offload bonus test (on CPU the two devices are always equal)",
+    "task3_forward.py:ReplaceComparisonOperator_NotEq_Is:2":
+        "`shard.device is buffer.device` is always false: a CPU-offloaded shard is not moved to the GPU; killed "
+        "only by the NCCL variant of the offload bonus test",
+}
+
 # Survivors judged equivalent (no observable behaviour changes), by mutant id, with the reason.
 EQUIVALENT: dict[str, str] = {
     "task1_meta_init.py:RemoveDecorator:0":
         "drops materialize_meta_module's @torch.no_grad(): reset_parameters() already runs with autograd on in eager "
         "__init__, and copy_into_shard writes under its own no_grad, so nothing records a graph either way",
+    "task3_forward.py:ReplaceComparisonOperator_Eq_Is:0":
+        "`unit.sharded_state is ShardedState.SHARDED` for `==`: enum members are singletons",
+    "task3_forward.py:ReplaceComparisonOperator_NotEq_IsNot:0":
+        "`param_dtype is not dtype` for `!=`: torch dtypes are singletons",
+    "task3_forward.py:ReplaceComparisonOperator_NotEq_IsNot:1":
+        "`shard.dtype is not dtype` for `!=`: torch dtypes are singletons",
+    "task3_forward.py:ReplaceComparisonOperator_NotEq_IsNot:2":
+        "`shard.device is not ...device` is always true (each .device is a new object), so the shard always goes "
+        "through .to(device, dtype), which returns the tensor itself when both already match: no copy, no change",
+    "task3_forward.py:ReplaceBinaryOperator_Mul_Div:0":
+        "unshard's keyword-only marker `*` becomes the positional-only `/`: every caller (reference, adapters, "
+        "tests) passes flat_param and group by position and param_dtype/async_op by keyword, which both accept",
+    "task3_forward.py:ReplaceOrWithAnd:0":
+        "`all_gather_single and all_gather_into_tensor` picks the older name of the same collective when the new one "
+        "exists: same call, same result, and the tests count collectives under both names",
+    "task3_forward.py:ReplaceTrueWithFalse:0":
+        "the offload copy's non_blocking=True becomes False: a synchronous copy of the same values (only timing "
+        "changes, and only on a GPU)",
     "task5_optim_ckpt.py:NumberReplacer:20":
         "numbers set_optimizer_state_dict's parameter ids from 1 instead of 0: they are only keys that "
         "Optimizer.load_state_dict pairs with the parameters in order, so any consistent numbering loads the same",
@@ -207,7 +236,7 @@ def run(selected: list[tuple[MachineMutant, str]], workers: int, log=print) -> l
             r = grade(m, mutated, workdir, tests)
             status = "killed" if r["killed"] else ("equivalent" if m.id in EQUIVALENT else "survived")
             return {**asdict(m), "status": status, "killer": r["killer"], "seconds": r["seconds"],
-                    "tests": r["tests"], "reason": EQUIVALENT.get(m.id, "")}
+                    "tests": r["tests"], "reason": EQUIVALENT.get(m.id, "") or GPU_ONLY.get(m.id, "")}
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
             for o in pool.map(one, selected):
                 log(f"{o['id']:<55} {o['status']:<10} {o['seconds']:6.1f} s  {o['killer'] or o['code_line'][:60]}")

@@ -24,7 +24,8 @@ def render(runs: list[tuple[str, dict]]) -> str:
               f"hours), so no kill rate over all of them is claimed. `equivalent` rows carry their reason: "
               f"automatic (a mutation inside a type annotation) or judged by hand (`EQUIVALENT` in "
               f"machine_mutants.py). A row killed by a test in `tests/hidden/test_task1_mutant_kills.py` is one "
-              f"that survived the first run and got a new check.", ""]
+              f"that survived the first run and got a new check. A `survived` row says why: only a GPU kills it "
+              f"(`GPU_ONLY`: the CPU-offload bonus's NCCL variant), or which missing check would.", ""]
     for title, data in runs:
         s = data["summary"]
         rate = s["kill_rate_of_non_equivalent"]
