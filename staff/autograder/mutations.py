@@ -202,12 +202,12 @@ MUTANTS: list[Mutant] = [
            "    return unique",
            "full state dicts list a tied weight under one of its names only"),
     # ---- Task 6: prefetching -----------------------------------------------------------------------------
-    Mutant("m32", 6, "        if i + 1 < len(order):\n            _issue_unshard(order[i + 1])",
+    Mutant("m32", 6, "        if i + 1 < len(order) and order[i + 1] not in shared.recording_order:\n            _issue_unshard(order[i + 1])",
            "        for later in order[i + 1:]:\n            _issue_unshard(later)",
            "prefetches every later unit: all of them are unsharded at once",
            "prefetch that waits on the wrong handle or keeps every unit unsharded"),
-    Mutant("m33", 6, "        if i + 1 < len(order):\n            _issue_unshard(order[i + 1])",
-           "        if i + 1 < len(order):\n            later = order[i + 1]\n"
+    Mutant("m33", 6, "        if i + 1 < len(order) and order[i + 1] not in shared.recording_order:\n            _issue_unshard(order[i + 1])",
+           "        if i + 1 < len(order) and order[i + 1] not in shared.recording_order:\n            later = order[i + 1]\n"
            "            if later.sharded_state == ShardedState.SHARDED and not later.pending_unshard:\n"
            "                for flat_param in later.flat_params:\n"
            "                    unit.pending_unshard.append(unshard(flat_param, later.group, "
