@@ -183,12 +183,12 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
     every rank is killed. collective_timeout: the process group's timeout, so a mismatched collective
     raises in its rank (with a traceback) well before `timeout`.
     memory_limit_bytes: how many bytes each rank may allocate on top of what it holds when the body starts
-    (RLIMIT_DATA, and RLIMIT_AS for shared mappings: see tests/rank_isolation.py, apply_limits); beyond that an allocation fails
-    (MemoryError or torch's "can't allocate memory").
+    (RLIMIT_DATA, and RLIMIT_AS for shared mappings: see apply_limits in tests/rank_isolation.py); beyond that
+    an allocation fails (MemoryError or torch's "can't allocate memory").
     Raises RankFailure on any failure; skips the test when the backend lacks devices (require_backend).
 
-    The autograder sets environment variables (see `grader_settings` in tests/rank_isolation.py): FSDP_RANK_MEMORY_LIMIT_BYTES (the
-    default for memory_limit_bytes), FSDP_RANK_TIMEOUT_CAP (seconds: caps timeout and collective_timeout),
+    The autograder sets environment variables (see `grader_settings` in tests/rank_isolation.py):
+    FSDP_RANK_MEMORY_LIMIT_BYTES (the default for memory_limit_bytes), FSDP_RANK_TIMEOUT_CAP (seconds: caps timeout and collective_timeout),
     FSDP_RANK_DEADLINE, FSDP_RANK_FILE_LIMIT_BYTES, FSDP_RANK_MAX_PROCESSES and FSDP_RANK_USER (when the harness
     runs as root: run each body as this unprivileged user).
     """

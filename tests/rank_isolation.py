@@ -23,8 +23,9 @@ import tempfile
 import threading
 import time
 
-MEMORY_AS_SLACK_BYTES = 256 << 20  # address space a rank may reserve beyond its memory limit: a correct
-# implementation reserves at most 63 MiB more after the limit is set (measured over every public and hidden test); 4x that
+# Address space a rank may reserve beyond its memory limit: a correct implementation reserves at most 63 MiB more
+# after the limit is set (measured over every public and hidden test); 4x that.
+MEMORY_AS_SLACK_BYTES = 256 << 20
 
 def grader_settings(timeout: float, collective_timeout: float, memory_limit_bytes: int | None):
     """The autograder's overrides, from the environment (unset: the call's own values, and no user change).
@@ -33,8 +34,8 @@ def grader_settings(timeout: float, collective_timeout: float, memory_limit_byte
     own test instead of the whole machine). FSDP_RANK_TIMEOUT_CAP: an upper bound, in seconds, on timeout and
     collective_timeout. FSDP_RANK_DEADLINE: the time (time.time()) by which the current test must end (the
     grading plugin's per-test limit, staff/autograder/grading_plugin.py): timeouts shrink to what is left of
-    it, so a test that calls run_ranks several times still ends by then. FSDP_RANK_FILE_LIMIT_BYTES: the largest file a rank may write (RLIMIT_FSIZE; its
-    output file included). FSDP_RANK_MAX_PROCESSES: how many processes and threads the rank user may have at
+    it, so a test that calls run_ranks several times still ends by then. FSDP_RANK_FILE_LIMIT_BYTES: the
+    largest file a rank may write (RLIMIT_FSIZE; its output file included). FSDP_RANK_MAX_PROCESSES: how many processes and threads the rank user may have at
     once (RLIMIT_NPROC; only with FSDP_RANK_USER, since it counts every process of the user). FSDP_RANK_USER: a
     user name; when this process is root, each rank drops to that user right before the body runs (returned as
     (uid, gid)); otherwise it is ignored."""

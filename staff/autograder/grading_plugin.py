@@ -42,9 +42,8 @@ What it does:
   above what it needs at load 10. A hang is often confined to one branch of a function (one configuration, one
   switch), and the tests that never take that branch keep their points; each one that does take it costs a probe.
   Only once the functions hung in ``HANG_CONFIRMATIONS`` test functions (the parametrizations of one test count
-  once) and no test calling them passed since the first
-  hang (they hang whatever the configuration) are the later tests that call them reported at once as "not run:
-  <function> hung in <tests>". (A collective that a peer never joins fails by itself at the collective timeout,
+  once) and no test calling them passed since the first hang (they hang whatever the configuration) are the
+  later tests that call them reported at once as "not run: <function> hung in <tests>". (A collective that a peer never joins fails by itself at the collective timeout,
   10 s, with one rank's traceback, which cannot tell the culprit from its victims: it is not blamed, and costs its
   10 s each time.)
 - **Ordering** (for the mutation self-test): ``--grade-first SUBSTRING`` (repeatable) runs the tests whose node id
@@ -333,9 +332,9 @@ class Grader:
                 hung = self.limits.record_failure(item.nodeid, rec.name, call.excinfo.value)
                 if hung:
                     rec.notes.append(f"note: {' and '.join(hung)} hung here: later tests that call "
-                                     f"{'it' if len(hung) == 1 else 'them all'} run with a shorter time limit (a "
-                                     f"probe), and once {HANG_CONFIRMATIONS} test functions hung with none passing, the "
-                                     f"rest are reported as not run at once")
+                                     f"{'it' if len(hung) == 1 else 'them all'} run with a shorter time limit "
+                                     f"(a probe), and once {HANG_CONFIRMATIONS} test functions hung with none "
+                                     f"passing, the rest are reported as not run at once")
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_teardown(self, item, nextitem) -> None:
@@ -703,8 +702,8 @@ class TimeLimits:
             return None
         names = "; ".join(f"{' and '.join(_function_label(f) for f in sorted(fs))} hung in "
                           f"{', '.join(self.hung[fs]['tests'])}" for fs in self.probing)
-        return (f"note: a probe: {names}, and this test calls it too, so it runs with a shorter time limit (enough "
-                f"for it at 10x the reference's time); if it does not take the branch that hangs, it passes")
+        return (f"note: a probe: {names}, and this test calls the same, so it runs with a shorter time limit "
+                f"(enough for it at 10x the reference's time); if it does not take the branch that hangs, it passes")
 
     def end_test(self, nodeid: str, task: int, elapsed: float, call_seconds: float, passed: bool) -> None:
         os.environ.pop("FSDP_RANK_DEADLINE", None)

@@ -12,7 +12,8 @@ from fsdp_assignment.support.models import gpt_batch, gpt_loss
 from tests.harness import run_ranks
 from tests.public.common import assert_close, check_flat_params, expected_shard, full_params_of
 from tests.public.test_task4_backward import check_lora, lora_run
-from tests.hidden.scenarios.task6 import CFG, ORDERS, TWICE, ReorderedGPT, _both, _reorder  # noqa: F401 (what the ranks run)
+# _both and _reorder are what the ranks run
+from tests.hidden.scenarios.task6 import CFG, ORDERS, TWICE, ReorderedGPT, _both, _reorder  # noqa: F401
 
 pytestmark = pytest.mark.task6
 
