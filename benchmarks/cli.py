@@ -241,6 +241,21 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def leave_process_group_together() -> None:
+    """Under torchrun, every rank waits for the others (rank 0 writes the tables after the last collective) and then
+    leaves the process group, before any interpreter exits. Without it a rank whose peers had already exited was
+    killed by SIGABRT in gloo's teardown (seen once in CI on the two-node cluster), and torchrun reported a finished
+    run as failed after waiting 300 s at its exit barrier. Nothing to do outside torchrun: the local launcher's
+    ranks leave in benchmarks/launch.py, SLURM's through the same path."""
+    if not under_torchrun():
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def run_script(main) -> None:
     """A script's entry point: the exits a user causes end in one message, not a traceback. Ctrl-C says what keeps
     running (benchmarks/sweep.py words it); a sweep with failed launches lists them after its tables were written;
@@ -251,6 +266,7 @@ def run_script(main) -> None:
 
     try:
         main()
+        leave_process_group_together()
     except KeyboardInterrupt:
         sys.exit("interrupted (before any launch started); no result was changed")
     except (sweep.SweepFailed, NeverRuns) as exc:
