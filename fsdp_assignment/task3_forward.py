@@ -63,7 +63,9 @@ def wait_for_unshard(unit: FSDPUnit) -> None:
 
 
 def reshard_unit(unit: FSDPUnit) -> None:
-    """Free every unsharded buffer of ``unit`` and mark it SHARDED."""
+    """Free every unsharded buffer of ``unit`` and mark it SHARDED. Wait on the handles of any all-gather still in
+    flight first (``unit.pending_unshard``: a unit prefetched that then did not run), so that nothing writes into
+    memory after it is freed; every test checks that no handle is left unwaited when backward returns."""
     raise NotImplementedError("Task 3: implement reshard_unit() in fsdp_assignment/task3_forward.py (see its docstring)")
 
 

@@ -96,6 +96,12 @@ def test_prefetch_follows_a_changed_order_and_frees_units_that_never_run():
                 f"rank {rank}: units still unsharded after backward of step {step} (blocks run: {ORDERS[step]}): "
                 f"{left}. A unit prefetched by the recorded order that then never ran must be freed too (its "
                 f"all-gather waited on) by the end of backward")
+        for step, left in got["unwaited_after_backward"].items():
+            assert left == [], (
+                f"rank {rank}: asynchronous collectives of step {step} (blocks run: {ORDERS[step]}) never waited on "
+                f"when backward returned: {left}. A unit prefetched by the recorded order that then never ran is "
+                f"freed at the end of backward: wait on its all-gather handles before freeing its buffer (on a GPU "
+                f"the all-gather may still be writing into that memory)")
         worst = got["max_unsharded"][RELEARNED_STEP]
         assert worst <= 2, (f"rank {rank}: {worst} non-root units were unsharded at once at step {RELEARNED_STEP} "
                             f"(at most 2: the one computing and the one prefetched by the current order)")

@@ -22,6 +22,9 @@ all-reduce, the in-place tensor) holds NaN until the work handle's ``wait()`` is
 a collective before the caller looks at the output, so code that uses an asynchronous result without
 waiting for its handle passes by luck there; here it computes with NaN and the test's numbers are wrong.
 A synchronous call (``async_op=False``) is waited on by torch.distributed itself, so it is unaffected.
+``log.unwaited()`` lists the late collectives whose handle nobody has waited on yet: when backward returns
+there must be none (a buffer freed or reused while its collective may still write into it is, on a GPU, memory
+corrupted at random; tests/public/invariants.py checks it).
 
 Only gloo is wrapped (the autograder's backend). Under NCCL the default group is left alone and
 ``use_counted_collectives`` returns None: tests then skip their counting checks.
@@ -60,6 +63,7 @@ class CallLog:
     def __init__(self):
         self.calls: list[Call] = []
         self._lock = threading.Lock()
+        self._pending: set[int] = set()  # indices in calls of the late collectives not waited on yet
         # Optional: called as listener(call, output) when a call is issued; ``output`` is the tensor the
         # caller receives the result in (None for calls without one), e.g. to tell which buffer was gathered.
         self.listener = None
@@ -73,6 +77,13 @@ class CallLog:
     def mark(self) -> int:
         return len(self.calls)
 
+    def unwaited(self) -> list[dict]:
+        """The late collectives issued and not yet waited on (handle dropped, or still in flight), oldest first."""
+        with self._lock:
+            picked = sorted(self._pending)
+        return [dict(kind=self.calls[i].kind, numel=self.calls[i].numel, dtype=self.calls[i].dtype, index=i)
+                for i in picked]
+
     def since(self, mark: int = 0) -> list[dict]:
         """The records from ``mark`` on, as plain dicts (they travel back to the test)."""
         return [dict(kind=c.kind, numel=c.numel, dtype=c.dtype, async_op=c.async_op, group_size=c.group_size)
@@ -82,10 +93,13 @@ class CallLog:
 class _LateWork(dist._Work):
     """The handle of a collective whose result reaches the caller's tensors only when it is waited on."""
 
-    def __init__(self, inner, finish):
+    def __init__(self, inner, finish, log: CallLog):
         super().__init__()
-        self._inner, self._finish, self._done = inner, finish, False
+        self._inner, self._finish, self._done, self._log = inner, finish, False, log
         self._lock = threading.Lock()
+        with log._lock:
+            self._index = len(log.calls) - 1  # the call recorded just before its handle is made: this one
+            log._pending.add(self._index)
 
     def _complete(self) -> None:
         with self._lock:
@@ -94,6 +108,8 @@ class _LateWork(dist._Work):
                 with _disable_current_modes(), torch.no_grad():
                     self._finish()
                 self._done = True
+                with self._log._lock:
+                    self._log._pending.discard(self._index)
 
     def wait(self, timeout=None) -> bool:
         self._complete()
@@ -171,7 +187,7 @@ class CountedProcessGroup(dist.ProcessGroup):
         def finish():
             for t, p in zip(outputs, private):
                 t.copy_(p)
-        return _LateWork(work, finish)
+        return _LateWork(work, finish, self.log)
 
     @staticmethod
     def _snapshot(t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,9 @@ names the invariant, the unit and the moment (iteration, and the hook or autogra
     reduce-scatters      a backward with gradient sync reduce-scatters each trainable FlatParameter's padded full
                          gradient once (in ``reduce_dtype`` if set); a backward without it reduces nothing; no
                          all-reduce ever (FSDP needs none)
+    handles-waited       when ``backward()`` returns every asynchronous collective issued so far has been
+                         waited on (a prefetched unit that then did not run included): a buffer freed or reused
+                         while its collective may still write into it is corrupted memory on a GPU
     freed-after-backward after ``backward()`` returns no unit is unsharded and no original parameter name
                          carries a gradient
     no-full-copies       after sharding and after every step no original ``nn.Parameter`` is alive with its
@@ -83,6 +86,11 @@ def check_monitor(report: dict, model: nn.Module, world_size: int, where: str, *
                     f"{non_root}; at most {bound} may be (one unit and its parents at a time"
                     f"{', plus one prefetched' if s.get('prefetch') else ''})")
         ab = it["after_backward"]
+        assert not ab.get("unwaited"), (
+            f"invariant handles-waited: {moment}, after backward: asynchronous collectives never waited on: "
+            f"{[(c['kind'], c['numel']) for c in ab['unwaited']]}. Wait on every handle before its buffer is used, "
+            f"freed or reused (a unit prefetched that then does not run included): on a GPU the collective may "
+            f"still be writing into that memory")
         assert not ab["unsharded"], (f"invariant freed-after-backward: {moment}, after backward: units "
                                      f"{ab['unsharded']} still hold their full parameters")
         assert not ab["full_grads"], (f"invariant freed-after-backward: {moment}, after backward: original "

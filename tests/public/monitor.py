@@ -28,7 +28,8 @@ collectives counted by ``collectives.py``, weak references it took itself):
   points at a plain tensor (not a DTensor shard) whose storage holds that parameter's full size;
 * **collectives per iteration**, split into the forward (the root's forward) and the backward (from the end
   of the forward to ``backward`` returning), by kind and elements per rank;
-* **after backward**: which units are still unsharded and which original parameter names carry a ``.grad``;
+* **after backward**: which units are still unsharded, which original parameter names carry a ``.grad``, and
+  which asynchronous collectives were issued and never waited on (``collectives.py``'s late handles);
 * **after sharding and after every step**: whether the original ``nn.Parameter`` objects (weakly referenced
   before sharding) are still alive with their storage, the elements and dtypes of ``module.parameters()``, the
   dtypes of their gradients and the dtypes and devices of every buffer;
@@ -195,7 +196,9 @@ class Monitor:
                 t = getattr(owner, attr, None)
                 if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.grad is not None:
                     grads.append(name)
-        it["after_backward"] = {"unsharded": self.unsharded_units(), "full_grads": grads}
+        # this iteration's own: a handle left unwaited by an earlier run on the same log was reported there
+        unwaited = [c for c in self.log.unwaited() if c["index"] >= it["mark"]] if self.log is not None else []
+        it["after_backward"] = {"unsharded": self.unsharded_units(), "full_grads": grads, "unwaited": unwaited}
         del it["mark"]
         self._it = None
 

@@ -88,6 +88,18 @@ def _variants(rank, world_size):
             real_set_prefetch(module, True)
     with _patched(t6, "set_prefetch", sticky_set_prefetch):
         out["unsharded-bound"] = _run(rank, world_size, log, schedule=prefetch_on_then_off)
+    # handles-waited: a prefetched unit's all-gather handles dropped, not waited on (it is gathered again).
+
+    def prefetch_on(step, model, mon):
+        adapters.set_prefetch(model, True)
+        mon.setting(prefetch=True)
+    real_wait_for_unshard = t3.wait_for_unshard
+
+    def dropping_wait(unit):
+        unit.pending_unshard.clear()
+        return real_wait_for_unshard(unit)
+    with _patched(t3, "wait_for_unshard", dropping_wait):
+        out["handles-waited"] = _run(rank, world_size, log, schedule=prefetch_on)
     # forward-gathers: every unshard all-gathers twice.
     real_unshard = t3.unshard
 
@@ -151,7 +163,7 @@ def test_invariants_hold_on_torch_fsdp2_and_the_reference(reports):
             check_monitor(got[name], _model(), WORLD_SIZE, f"rank {rank} {name}")
 
 
-INVARIANTS = ["unsharded-bound", "forward-gathers", "backward-gathers", "reduce-scatters", "freed-after-backward",
+INVARIANTS = ["unsharded-bound", "handles-waited", "forward-gathers", "backward-gathers", "reduce-scatters", "freed-after-backward",
               "no-full-copies", "dtypes-and-devices"]
 
 

@@ -121,16 +121,19 @@ def _reorder(rank, world_size, orders=ORDERS):
         block.register_forward_pre_hook(forward_started(i))
     log.listener = on_collective
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    traced, after_backward = {}, {}
+    traced, after_backward, unwaited = {}, {}, {}
     for step, order in enumerate(orders):
         model.order = order
         events.clear()
+        mark = log.mark()
         idx, tgt = local_batch(CFG, rank, world_size, step)
         optim.zero_grad()
         gpt_loss(model, idx, tgt).backward()
         traced[step] = list(events)
         after_backward[step] = [names[id(u)] for u in units if any(fp.is_unsharded() for fp in u.flat_params)]
+        unwaited[step] = [(c["kind"], c["numel"]) for c in log.unwaited() if c["index"] >= mark]
         optim.step()
     log.listener = None
-    return {"events": traced, "unsharded_after_backward": after_backward, "max_unsharded": max_unsharded,
+    return {"events": traced, "unsharded_after_backward": after_backward, "unwaited_after_backward": unwaited,
+            "max_unsharded": max_unsharded,
             "flat": describe_flat_params(model)}
