@@ -24,7 +24,8 @@ def render(runs: list[tuple[str, dict]]) -> str:
               f"hours), so no kill rate over all of them is claimed. `equivalent` rows carry their reason: "
               f"automatic (a mutation inside a type annotation) or judged by hand (`EQUIVALENT` in "
               f"machine_mutants.py). A row killed by a test in `tests/hidden/test_task1_mutant_kills.py` is one "
-              f"that survived the first run and got a new check. A `survived` row says why: only a GPU kills it "
+              f"that survived the first run and got a new check; so is `task3_forward.py:ZeroIterationForLoop:3` "
+              f"(killed since the handles-waited check: no collective handle left unwaited when backward returns). A `survived` row says why: only a GPU kills it "
               f"(`GPU_ONLY`: the CPU-offload bonus's NCCL variant), or which missing check would.", ""]
     for title, data in runs:
         s = data["summary"]
