@@ -86,6 +86,15 @@ EQUIVALENT: dict[str, str] = {
     "task5_optim_ckpt.py:NumberReplacer:20":
         "numbers set_optimizer_state_dict's parameter ids from 1 instead of 0: they are only keys that "
         "Optimizer.load_state_dict pairs with the parameters in order, so any consistent numbering loads the same",
+    "task4_backward.py:ReplaceBinaryOperator_Mul_Div:0":
+        "reduce_scatter_grad's keyword-only marker `*` becomes the positional-only `/`: every caller passes "
+        "flat_param, grad and group by position and reduce_dtype by keyword, which both accept",
+    "task6_prefetch.py:ReplaceComparisonOperator_IsNot_NotEq:0":
+        "`units[0].module != module` for `is not`: nn.Module defines no __eq__, so != is identity",
+    "task6_prefetch.py:NumberReplacer:3":
+        "`units[-1].shared is None` for `units[0]`: init_shared_state (and Task 7's lazy init) give every unit of "
+        "the tree one SharedState together, so the first and the last unit have one only together (they could "
+        "differ only if a child unit had run forward as its own root before the root was sharded)",
 }
 
 

@@ -1,5 +1,5 @@
 """Task 2 (hidden): padding and shard boundaries in the corner cases: W divides numel, W exceeds numel (whole
-shards of padding), a tied weight across shard boundaries; shard_range for every parameter. Task 1's meta-device
+shards of padding), a tied weight across shard boundaries, a rank outside [0, W); shard_range for every parameter. Task 1's meta-device
 init of sharded units (it needs FlatParameters) replays the RNG exactly, keeps frozen shards frozen and
 materializes modules that own only buffers."""
 
@@ -30,6 +30,11 @@ def _expected_range(offset: int, numel: int, shard_offset: int, shard_numel: int
 @pytest.mark.weight(3)
 def test_padding_edge_cases():
     (layouts,) = run_ranks(_layouts, 1)
+    for d in [d for d in layouts if d["module"] == "<rank outside [0, W)>"]:
+        assert d["error"] is not None, (
+            f"a FlatParameter built with rank={d['r']} and world_size=2 was accepted; a rank outside [0, world_size) "
+            f"must raise ValueError (a negative rank would otherwise select a shard by Python's negative indexing)")
+    layouts = [d for d in layouts if d["module"] != "<rank outside [0, W)>"]
     for name, make in MODULES.items():
         module = make()
         unique = dict(module.named_parameters())  # tied weights once, in registration order

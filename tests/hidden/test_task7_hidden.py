@@ -56,6 +56,11 @@ def test_mixed_precision_gathers_and_reduces_in_the_right_dtypes():
                 f"keyword arguments alike (MixedPrecisionPolicy.cast_forward_inputs)")
             assert floats["output_dtype"] == "torch.bfloat16", \
                 f"rank {rank}: the output of a bf16 unit is {floats['output_dtype']}, expected torch.bfloat16"
+        policy_out = got.pop("output_dtype_policy")
+        assert policy_out in ("refused", "torch.float32"), (
+            f"rank {rank}: fully_shard with MixedPrecisionPolicy(param_dtype=bf16, output_dtype=float32) gave a "
+            f"{policy_out} output: output_dtype was ignored. Either cast the unit's output to output_dtype (as "
+            f"FSDP2 does) or raise NotImplementedError naming output_dtype")
         seen = got.pop("cast_forward_inputs")
         assert seen == {True: ["torch.bfloat16"], False: ["torch.float32"]}, (
             f"rank {rank}: dtypes of the fp32 input the unit's forward received with cast_forward_inputs=True/False: "

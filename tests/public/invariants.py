@@ -15,6 +15,8 @@ names the invariant, the unit and the moment (iteration, and the hook or autogra
     reduce-scatters      a backward with gradient sync reduce-scatters each trainable FlatParameter's padded full
                          gradient once (in ``reduce_dtype`` if set); a backward without it reduces nothing; no
                          all-reduce ever (FSDP needs none)
+    reductions-in-flight at every moment the monitor samples, at most one reduce-scatter has been issued and not
+                         yet waited on (each keeps a full gradient alive)
     handles-waited       when ``backward()`` returns every asynchronous collective issued so far has been
                          waited on (a prefetched unit that then did not run included): a buffer freed or reused
                          while its collective may still write into it is corrupted memory on a GPU
@@ -85,6 +87,10 @@ def check_monitor(report: dict, model: nn.Module, world_size: int, where: str, *
                     f"invariant unsharded-bound: {moment}, {when}: {len(non_root)} non-root units unsharded "
                     f"{non_root}; at most {bound} may be (one unit and its parents at a time"
                     f"{', plus one prefetched' if s.get('prefetch') else ''})")
+        inflight = it.get("max_reductions_in_flight", 0)
+        assert inflight <= 1, (
+            f"invariant reductions-in-flight: {moment}: {inflight} reduce-scatters were in flight at once (issued, "
+            f"not yet waited on); at most one may be: each keeps a full unsharded gradient alive until it is waited on")
         ab = it["after_backward"]
         assert not ab.get("unwaited"), (
             f"invariant handles-waited: {moment}, after backward: asynchronous collectives never waited on: "

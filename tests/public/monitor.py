@@ -21,6 +21,7 @@ and in the parent: ``tests.public.invariants.check_monitor(report, model, units,
 What it records, and only through what a user of FSDP can see (module attributes, ``module.parameters()``,
 collectives counted by ``collectives.py``, weak references it took itself):
 
+* **reduce-scatters in flight** (issued, handle not yet waited on) at each of those moments, the most of them;
 * **unsharded units** at every moment it can see: before and after every module's forward (a global module
   hook, so every unit's hooks are bracketed) and at autograd's node boundaries in backward (a hook on every
   module output that carries a gradient, which runs when the gradient of that output is ready, i.e. just
@@ -115,6 +116,9 @@ class Monitor:
     def _sample(self, moment: str) -> None:
         if self._it is not None:
             self._it["samples"].append((moment, self.unsharded_units()))
+            if self.log is not None:  # reduce-scatters of this iteration issued and not yet waited on
+                n = sum(c["kind"] == "reduce_scatter" and c["index"] >= self._it["mark"] for c in self.log.unwaited())
+                self._it["max_reductions_in_flight"] = max(self._it.get("max_reductions_in_flight", 0), n)
 
     def _state(self, moment: str) -> dict:
         alive = []

@@ -90,8 +90,17 @@ def _hsdp_runs(rank, world_size, shapes, prefetch):
         optim = adapters.get_sharded_optimizer(model, torch.optim.SGD, **SGD)
         adapters.set_prefetch(model, prefetch)
         start = log.mark()
+        in_flight = [0]
+
+        def count_reductions(call, output):  # before each new reduce-scatter: how many are still not waited on
+            if call.kind == "reduce_scatter":
+                n = sum(c["kind"] == "reduce_scatter" and c["index"] >= start for c in log.unwaited())
+                in_flight[0] = max(in_flight[0], n)
+        log.listener = count_reductions
         got["norms"] = _train(model, optim, rank, world_size, lambda m: adapters.clip_grad_norm_(m, MAX_NORM))
+        log.listener = None
         got["train_calls"] = log.since(start)
+        got["reductions_in_flight"] = in_flight[0]
         got["flat"] = describe_flat_params(model)
         got["shard_numels"] = [p.numel() for p in model.parameters()]
         got["optim_state_numels"] = [t.numel() for s in optim.state.values() for t in s.values()
@@ -109,6 +118,22 @@ def _hsdp_runs(rank, world_size, shapes, prefetch):
         fresh = _shard_gpt(GPT(CFG), adapters.fully_shard, mesh=mesh)
         adapters.set_model_state_dict(fresh, full[0], full=True)
         got["reloaded"] = {n: t.detach().cpu() for n, t in adapters.gather_full_params(fresh).items()}
+        # Units over two different groups (the blocks on this mesh, the root on the default group): clipping has
+        # no one group to all-reduce over and must refuse (clip_grad_norm_'s ValueError). Only with R, S > 1:
+        # a degenerate mesh's shard group may be the default group itself.
+        if min(shape) == 1:
+            continue
+        torch.manual_seed(0)
+        mixed = GPT(CFG)
+        for block in mixed.blocks:
+            adapters.fully_shard(block, mesh=mesh)
+        adapters.fully_shard(mixed)
+        gpt_loss(mixed, *local_batch(CFG, rank, world_size, 0)).backward()
+        try:
+            adapters.clip_grad_norm_(mixed, MAX_NORM)
+            got["clip_over_two_groups"] = None
+        except ValueError as e:
+            got["clip_over_two_groups"] = str(e)
     return out
 
 
@@ -180,6 +205,12 @@ def _check_hsdp(results, shape, expected, optim, norms):
                          rtol=RTOL)
             assert_close(got["reloaded"][name], p, f"{where}: a fresh HSDP model loaded from the full state dict, "
                          f"{name}", rtol=RTOL)
+        assert min(shape) == 1 or got["clip_over_two_groups"] is not None, (
+            f"{where}: clip_grad_norm_ on a model whose blocks are sharded over the mesh and whose root over the "
+            f"default group returned; it must raise ValueError (no single group to all-reduce the norm over)")
+        assert got["reductions_in_flight"] <= 1, (
+            f"{where}: {got['reductions_in_flight']} earlier reduce-scatters were still in flight (not waited on) "
+            f"when a new one was issued; at most one may be (each keeps a full gradient alive)")
         for step, (a, b) in enumerate(zip(got["norms"], norms)):
             assert abs(a - b) <= RTOL * b, (
                 f"{where}: clip_grad_norm_ at step {step} returned {a:.7g}, the single process's global norm is "

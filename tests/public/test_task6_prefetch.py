@@ -55,6 +55,14 @@ def test_prefetch_changes_no_number():
     for rank, got in enumerate(run_ranks(_bitwise, 2)):
         for report, prefetch in zip(got["monitors"], (False, True)):
             check_monitor(report, model, 2, f"rank {rank}, prefetch={prefetch}")
+            reductions = [c["async_op"] for it in report["iterations"] for c in it["backward_calls"]
+                          if c["kind"] == "reduce_scatter"]
+            assert reductions, f"rank {rank}, prefetch={prefetch}: the monitor counted no reduce-scatter in backward"
+            assert all(reductions) if prefetch else not any(reductions), (
+                f"rank {rank}: with prefetching {'on' if prefetch else 'off'}, {sum(reductions)} of "
+                f"{len(reductions)} reduce-scatters were issued with async_op=True; set_prefetch turns the "
+                f"asynchronous reduce-scatter on and off with the all-gather prefetch: on, every reduce-scatter is "
+                f"asynchronous (at most one in flight); off, Task 4's synchronous one")
         for off, on in zip(got[False], got[True]):
             assert not on.isnan().any(), (
                 f"rank {rank}: NaN in the parameters with prefetching on. In this test a collective's output holds NaN "
@@ -140,6 +148,11 @@ def test_prefetch_order_and_at_most_two_units_unsharded():
         assert bwd_ags == list(range(n - 1, -1, -1)), \
             f"rank {rank}: backward must all-gather the blocks in reverse forward order, got {bwd_ags}"
         rs_positions = [j for j, e in enumerate(bwd) if e[0] == "rs"]
+        last = next((j for j, e in enumerate(bwd) if e[:2] == ("ag", n - 1)), None)
+        assert last is not None and bwd[last][2] and last < bwd.index(("bwd", n - 1, None)), (
+            f"rank {rank}: block {n - 1}, the last to run forward, must be prefetched (async_op=True) when backward "
+            f"starts, in the root's pre-backward (the root's backward runs first: the loss is its output); "
+            f"backward events: {bwd}")
         for k in range(1, n):  # block n-k's reduce-scatter is the k-th; block n-1-k must be gathered before it
             ag = next((j for j, e in enumerate(bwd) if e[:2] == ("ag", n - 1 - k)), None)
             assert ag is not None and bwd[ag][2], \

@@ -100,6 +100,16 @@ def _variants(rank, world_size):
         return real_wait_for_unshard(unit)
     with _patched(t3, "wait_for_unshard", dropping_wait):
         out["handles-waited"] = _run(rank, world_size, log, schedule=prefetch_on)
+    # reductions-in-flight: with prefetching, asynchronous reduce-scatters never finished before the next one.
+    real_reduce_scatter = t6.PrefetchHooks.reduce_scatter
+
+    def hoarding_reduce_scatter(self, unit, flat_param, grad):
+        if not unit.shared.prefetch:
+            return real_reduce_scatter(self, unit, flat_param, grad)
+        work, grad_shard = t6.reduce_scatter_grad(flat_param, grad, unit.group, async_op=True)
+        unit.shared.pending_reduce_scatters.append((work, flat_param, grad_shard, grad))
+    with _patched(t6.PrefetchHooks, "reduce_scatter", hoarding_reduce_scatter):
+        out["reductions-in-flight"] = _run(rank, world_size, log, steps=1, schedule=prefetch_on)
     # forward-gathers: every unshard all-gathers twice.
     real_unshard = t3.unshard
 
@@ -163,7 +173,7 @@ def test_invariants_hold_on_torch_fsdp2_and_the_reference(reports):
             check_monitor(got[name], _model(), WORLD_SIZE, f"rank {rank} {name}")
 
 
-INVARIANTS = ["unsharded-bound", "handles-waited", "forward-gathers", "backward-gathers", "reduce-scatters", "freed-after-backward",
+INVARIANTS = ["unsharded-bound", "reductions-in-flight", "handles-waited", "forward-gathers", "backward-gathers", "reduce-scatters", "freed-after-backward",
               "no-full-copies", "dtypes-and-devices"]
 
 

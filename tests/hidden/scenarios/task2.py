@@ -45,6 +45,14 @@ def _layouts(rank, world_size):
                             "shard_offset": int(fp.shard_offset), "shard": fp.shard.detach().clone(),
                             "param_names": list(fp.param_names),
                             "ranges": {n: [int(x) for x in fp.shard_range(n)] for n in names}})
+    # A rank outside [0, W) is refused, not wrapped around (Python's -1 would index the last shard).
+    for r in (-1, 2):
+        module = next(iter(MODULES.values()))()
+        try:
+            adapters.make_flat_param(module, [n for n, _ in module.named_parameters()], r, 2)
+            out.append({"module": "<rank outside [0, W)>", "r": r, "error": None})
+        except ValueError as e:
+            out.append({"module": "<rank outside [0, W)>", "r": r, "error": str(e)})
     return out
 
 

@@ -101,6 +101,17 @@ def _mixed_precision(rank, world_size):
             if isinstance(e, NotImplementedError):
                 raise
             out[key] = {"error": f"{type(e).__name__}: {e}", "output_dtype": ""}
+    # output_dtype: honoured (the output cast to it, as FSDP2 does) or refused naming it; never ignored.
+    try:
+        torch.manual_seed(0)
+        cast_out = torch.nn.Sequential(torch.nn.Linear(5, 3))
+        adapters.fully_shard(cast_out, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                            output_dtype=torch.float32))
+        out["output_dtype_policy"] = str(cast_out(x).dtype)
+    except NotImplementedError as e:
+        if "output_dtype" not in str(e):
+            raise
+        out["output_dtype_policy"] = "refused"
     # cast_forward_inputs=False: the inputs reach forward as they are.
     seen = {}
     for cast in (True, False):
