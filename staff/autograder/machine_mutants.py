@@ -89,6 +89,16 @@ EQUIVALENT: dict[str, str] = {
     "task4_backward.py:ReplaceBinaryOperator_Mul_Div:0":
         "reduce_scatter_grad's keyword-only marker `*` becomes the positional-only `/`: every caller passes "
         "flat_param, grad and group by position and reduce_dtype by keyword, which both accept",
+    "task4_backward.py:ReplaceOrWithAnd:0":
+        "`reduce_scatter_single and reduce_scatter_tensor` picks the other name of the same collective when both "
+        "exist: same call, same result, and the tests count collectives under both names",
+    "task5_optim_ckpt.py:ReplaceComparisonOperator_Eq_LtE:4":
+        "`dist.get_rank() <= 0` for `== 0`: a rank is never negative",
+    "task7_fully_shard.py:ReplaceComparisonOperator_NotEq_Gt:0":
+        "`mesh.ndim > 2` for `!= 2` after the 1-D case has returned: a DeviceMesh has at least one dimension, so "
+        "both are true for exactly the meshes of more than two",
+    "task7_fully_shard.py:ReplaceComparisonOperator_Gt_NotEq:0":
+        "`get_world_size(replicate_group) != 1` for `> 1`: a process group has at least one rank",
     "task6_prefetch.py:ReplaceComparisonOperator_IsNot_NotEq:0":
         "`units[0].module != module` for `is not`: nn.Module defines no __eq__, so != is identity",
     "task6_prefetch.py:NumberReplacer:3":
