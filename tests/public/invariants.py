@@ -17,8 +17,8 @@ names the invariant, the unit and the moment (iteration, and the hook or autogra
                          all-reduce ever (FSDP needs none)
     reductions-in-flight at every moment the monitor samples, at most one reduce-scatter has been issued and not
                          yet waited on (each keeps a full gradient alive)
-    handles-waited       when ``backward()`` returns every asynchronous collective issued so far has been
-                         waited on (a prefetched unit that then did not run included): a buffer freed or reused
+    handles-waited       when ``backward()`` returns every asynchronous collective issued in that iteration has
+                         been waited on (a prefetched unit that then did not run included): a buffer freed or reused
                          while its collective may still write into it is corrupted memory on a GPU
     freed-after-backward after ``backward()`` returns no unit is unsharded and no original parameter name
                          carries a gradient
