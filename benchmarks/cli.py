@@ -245,8 +245,8 @@ def leave_process_group_together() -> None:
     """Under torchrun, every rank waits for the others (rank 0 writes the tables after the last collective) and then
     leaves the process group, before any interpreter exits. Without it a rank whose peers had already exited was
     killed by SIGABRT in gloo's teardown (seen once in CI on the two-node cluster), and torchrun reported a finished
-    run as failed after waiting 300 s at its exit barrier. Nothing to do outside torchrun: the local launcher's
-    ranks leave in benchmarks/launch.py, SLURM's through the same path."""
+    run as failed after waiting 300 s at its exit barrier. Only under torchrun: the local launcher's ranks leave the
+    group in benchmarks/launch.py."""
     if not under_torchrun():
         return
     import torch.distributed as dist

@@ -1,7 +1,7 @@
 """Task 2 (hidden): padding and shard boundaries in the corner cases: W divides numel, W exceeds numel (whole
-shards of padding), a tied weight across shard boundaries, a rank outside [0, W); shard_range for every parameter. Task 1's meta-device
-init of sharded units (it needs FlatParameters) replays the RNG exactly, keeps frozen shards frozen and
-materializes modules that own only buffers."""
+shards of padding), a tied weight across shard boundaries, a rank outside [0, W); shard_range for every
+parameter. Task 1's meta-device init of sharded units (it needs FlatParameters) replays the RNG exactly, keeps
+frozen shards frozen and materializes modules that own only buffers."""
 
 from __future__ import annotations
 
