@@ -81,11 +81,11 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     and computed in, ``reduce_dtype`` the dtype gradients are reduced in (default: ``param_dtype``).
     Its ``output_dtype`` (FSDP2 casts each unit's forward output to it) is not part of the assignment: raise
     ``NotImplementedError`` naming ``output_dtype`` when it is set, or implement it as FSDP2 does; never
-    ignore it (a policy field that silently does nothing). The default process group must be initialized. Raises ``ValueError`` when ``module`` is already a unit,
-    or when one of its parameters was already flattened by another unit, a child or a sibling (a parameter
-    tied across units, e.g. ``fully_shard(m.embed); fully_shard(m.head)`` with ``head.weight is
-    embed.weight``): sharding it twice would give it two independent copies that training silently unties.
-    The message names both units; the fix is to apply ``fully_shard`` once, to a module that contains every
+    ignore it (a policy field that silently does nothing). The default process group must be initialized.
+    Raises ``ValueError`` when ``module`` is already a unit, or when one of its parameters was already flattened
+    by another unit, a child or a sibling (a parameter tied across units, e.g. ``fully_shard(m.embed);
+    fully_shard(m.head)`` with ``head.weight is embed.weight``): sharding it twice would give it two
+    independent copies that training silently unties. The message names both units; the fix is to apply ``fully_shard`` once, to a module that contains every
     user of the tied parameter. A sibling is not in ``module``'s subtree, so the check needs a record that
     travels with the parameter: mark each parameter you flatten with the unit that flattened it
     (PyTorch's FSDP2 raises the same error, at the root's lazy init). A tie inside one unit is fine: the

@@ -25,7 +25,8 @@ def render(runs: list[tuple[str, dict]]) -> str:
               f"automatic (a mutation inside a type annotation) or judged by hand (`EQUIVALENT` in "
               f"machine_mutants.py). A row killed by a test in `tests/hidden/test_task1_mutant_kills.py` is one "
               f"that survived the first run and got a new check; so is `task3_forward.py:ZeroIterationForLoop:3` "
-              f"(killed since the handles-waited check: no collective handle left unwaited when backward returns). A `survived` row says why: only a GPU kills it "
+              f"(killed since the handles-waited check: no collective handle left unwaited when backward "
+              f"returns). A `survived` row says why: only a GPU kills it "
               f"(`GPU_ONLY`: the CPU-offload bonus's NCCL variant), or which missing check would.", ""]
     for title, data in runs:
         s = data["summary"]

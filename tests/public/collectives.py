@@ -77,10 +77,11 @@ class CallLog:
     def mark(self) -> int:
         return len(self.calls)
 
-    def unwaited(self) -> list[dict]:
-        """The late collectives issued and not yet waited on (handle dropped, or still in flight), oldest first."""
+    def unwaited(self, since: int = 0) -> list[dict]:
+        """The late collectives issued from ``mark`` ``since`` on and not yet waited on (handle dropped, or still
+        in flight), oldest first."""
         with self._lock:
-            picked = sorted(self._pending)
+            picked = sorted(i for i in self._pending if i >= since)
         return [dict(kind=self.calls[i].kind, numel=self.calls[i].numel, dtype=self.calls[i].dtype, index=i)
                 for i in picked]
 

@@ -117,7 +117,7 @@ class Monitor:
         if self._it is not None:
             self._it["samples"].append((moment, self.unsharded_units()))
             if self.log is not None:  # reduce-scatters of this iteration issued and not yet waited on
-                n = sum(c["kind"] == "reduce_scatter" and c["index"] >= self._it["mark"] for c in self.log.unwaited())
+                n = sum(c["kind"] == "reduce_scatter" for c in self.log.unwaited(self._it["mark"]))
                 self._it["max_reductions_in_flight"] = max(self._it.get("max_reductions_in_flight", 0), n)
 
     def _state(self, moment: str) -> dict:
@@ -201,7 +201,7 @@ class Monitor:
                 if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.grad is not None:
                     grads.append(name)
         # this iteration's own: a handle left unwaited by an earlier run on the same log was reported there
-        unwaited = [c for c in self.log.unwaited() if c["index"] >= it["mark"]] if self.log is not None else []
+        unwaited = self.log.unwaited(it["mark"]) if self.log is not None else []
         it["after_backward"] = {"unsharded": self.unsharded_units(), "full_grads": grads, "unwaited": unwaited}
         del it["mark"]
         self._it = None

@@ -89,7 +89,6 @@ def _variants(rank, world_size):
     with _patched(t6, "set_prefetch", sticky_set_prefetch):
         out["unsharded-bound"] = _run(rank, world_size, log, schedule=prefetch_on_then_off)
     # handles-waited: a prefetched unit's all-gather handles dropped, not waited on (it is gathered again).
-
     def prefetch_on(step, model, mon):
         adapters.set_prefetch(model, True)
         mon.setting(prefetch=True)
@@ -173,8 +172,8 @@ def test_invariants_hold_on_torch_fsdp2_and_the_reference(reports):
             check_monitor(got[name], _model(), WORLD_SIZE, f"rank {rank} {name}")
 
 
-INVARIANTS = ["unsharded-bound", "reductions-in-flight", "handles-waited", "forward-gathers", "backward-gathers", "reduce-scatters", "freed-after-backward",
-              "no-full-copies", "dtypes-and-devices"]
+INVARIANTS = ["unsharded-bound", "reductions-in-flight", "handles-waited", "forward-gathers", "backward-gathers",
+              "reduce-scatters", "freed-after-backward", "no-full-copies", "dtypes-and-devices"]
 
 
 @pytest.mark.parametrize("invariant", INVARIANTS)

@@ -131,7 +131,7 @@ def _reorder(rank, world_size, orders=ORDERS):
         gpt_loss(model, idx, tgt).backward()
         traced[step] = list(events)
         after_backward[step] = [names[id(u)] for u in units if any(fp.is_unsharded() for fp in u.flat_params)]
-        unwaited[step] = [(c["kind"], c["numel"]) for c in log.unwaited() if c["index"] >= mark]
+        unwaited[step] = [(c["kind"], c["numel"]) for c in log.unwaited(mark)]
         optim.step()
     log.listener = None
     return {"events": traced, "unsharded_after_backward": after_backward, "unwaited_after_backward": unwaited,
