@@ -85,8 +85,8 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     Raises ``ValueError`` when ``module`` is already a unit, or when one of its parameters was already flattened
     by another unit, a child or a sibling (a parameter tied across units, e.g. ``fully_shard(m.embed);
     fully_shard(m.head)`` with ``head.weight is embed.weight``): sharding it twice would give it two
-    independent copies that training silently unties. The message names both units; the fix is to apply ``fully_shard`` once, to a module that contains every
-    user of the tied parameter. A sibling is not in ``module``'s subtree, so the check needs a record that
+    independent copies that training silently unties. The message names both units; the fix is to apply
+    ``fully_shard`` once, to a module that contains every user of the tied parameter. A sibling is not in ``module``'s subtree, so the check needs a record that
     travels with the parameter: mark each parameter you flatten with the unit that flattened it
     (PyTorch's FSDP2 raises the same error, at the root's lazy init). A tie inside one unit is fine: the
     tied parameter is kept under the first of its names in ``module.named_parameters(remove_duplicate=False)``
