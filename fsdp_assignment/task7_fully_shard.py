@@ -61,23 +61,22 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
                 offload_policy=None) -> nn.Module:
     """Make ``module`` one FSDP unit, in place, and return it.
 
-    The unit owns every parameter in ``module``'s subtree that no child unit owns (call ``fully_shard`` on
-    children first). Trainable and frozen parameters go into separate FlatParameters, registered on
-    ``module`` as ``_fsdp_flat_param`` / ``_fsdp_flat_param_frozen``. ``mixed_precision`` is a
-    ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` is the dtype parameters are gathered
-    and computed in, ``reduce_dtype`` the dtype gradients are reduced in (default: ``param_dtype``).
-    Its ``output_dtype`` (FSDP2 casts each unit's forward output to it) is not part of the assignment: raise
-    ``NotImplementedError`` naming ``output_dtype`` when it is set, or implement it as FSDP2 does; never
-    ignore it (a policy field that silently does nothing). The default process group must be initialized.
-    Raises ``ValueError`` when ``module`` is already a unit, or when one of its parameters was already flattened
-    by another unit, a child or a sibling (a parameter tied across units, e.g. ``fully_shard(m.embed);
-    fully_shard(m.head)`` with ``head.weight is embed.weight``): sharding it twice would give it two
-    independent copies that training silently unties. The message names both units; the fix is to apply
-    ``fully_shard`` once, to a module that contains every user of the tied parameter. A sibling is not in ``module``'s subtree, so the check needs a record that
-    travels with the parameter: mark each parameter you flatten with the unit that flattened it
-    (PyTorch's FSDP2 raises the same error, at the root's lazy init). A tie inside one unit is fine: the
-    tied parameter is kept under the first of its names in ``module.named_parameters(remove_duplicate=False)``
-    order.
+    The unit owns every parameter in ``module``'s subtree that no child unit owns (call ``fully_shard`` on children
+    first). Trainable and frozen parameters go into separate FlatParameters, registered on ``module`` as
+    ``_fsdp_flat_param`` / ``_fsdp_flat_param_frozen``. ``mixed_precision`` is a
+    ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` is the dtype parameters are gathered and
+    computed in, ``reduce_dtype`` the dtype gradients are reduced in (default: ``param_dtype``). Its
+    ``output_dtype`` (FSDP2 casts each unit's forward output to it) is not part of the assignment: raise
+    ``NotImplementedError`` naming ``output_dtype`` when it is set, or implement it as FSDP2 does; never ignore it
+    (a policy field that silently does nothing). The default process group must be initialized. Raises
+    ``ValueError`` when ``module`` is already a unit, or when one of its parameters was already flattened by another
+    unit, a child or a sibling (a parameter tied across units, e.g. ``fully_shard(m.embed); fully_shard(m.head)``
+    with ``head.weight is embed.weight``): sharding it twice would give it two independent copies that training
+    silently unties. The message names both units; the fix is to apply ``fully_shard`` once, to a module that
+    contains every user of the tied parameter. A sibling is not in ``module``'s subtree, so the check needs a record
+    that travels with the parameter: mark each parameter you flatten with the unit that flattened it (PyTorch's
+    FSDP2 raises the same error, at the root's lazy init). A tie inside one unit is fine: the tied parameter is kept
+    under the first of its names in ``module.named_parameters(remove_duplicate=False)`` order.
     Sets ``module._fsdp_unit`` to the new ``FSDPUnit``: that attribute is what makes a module a unit for
     ``support.state.fsdp_units`` and ``named_flat_params`` (and what the tests read to find a unit), so use
     exactly this name. Registers, in this order, a forward pre-hook that calls ``lazy_init`` at the first
