@@ -20,13 +20,13 @@ W ranks):
 
     T(N, W) = (W - 1) * alpha + (W - 1) / W * N / beta
 
-fitted per W and collective by least squares over the measured sizes (the median times): T = a + b N, alpha =
-a / (W-1), beta = (W-1) / (W b). The third table gives alpha, beta and the fit's largest relative error; the plot
+fitted per W and collective by least squares over the measured sizes (the median times), weighted by relative error: T = a + b N, alpha =
+a / (W-1), beta = (W-1) / (W b). The third table gives alpha and beta with two standard errors, whether alpha is resolved (a > 2 SE(a)), and the fit's largest relative error; the plot
 draws the fitted bus bandwidth beside the measured one.
 
 Part 2, bytes per step. One AdamW step of the benchmark GPT under each strategy, with every collective counted
 by benchmarks.comm_meter.CommMeter (bus bytes, as above: payload * (W-1)/W for all-gather and reduce-scatter,
-2 * payload * (W-1)/W for all-reduce). Ψ = parameters x 4 bytes (fp32). The formulas (ZeRO paper, ZeRO-3 =
+2 * payload * (W-1)/W for all-reduce). Ψ = parameters (elements), x 4 bytes (fp32). The formulas (ZeRO paper, ZeRO-3 =
 FSDP full sharding):
 
     FSDP, reshard after forward:   3Ψ(W-1)/W   all-gather in forward, again in backward, reduce-scatter grads
@@ -77,7 +77,8 @@ NAME = "comm"
 # --quick: tiny sizes that check the plumbing (written to <out>/quick/, tables labelled "quick")
 QUICK = ["--world-sizes", "2", "--max-size", "16KiB", "--budget", "0.01", "--strategies", "FSDP", "DDP (torch)"] + QUICK_MODEL
 HEADERS_COLL = ["collective", "W", "interconnect", "size", "time us", "algbw GB/s", "busbw GB/s"]
-HEADERS_FIT = ["collective", "W", "interconnect", "alpha us", "beta GB/s", "sizes", "max rel. error of the fit"]
+HEADERS_FIT = ["collective", "W", "interconnect", "alpha us (± 2 SE)", "alpha resolved", "beta GB/s (± 2 SE)", "sizes",
+               "max rel. error of the fit"]
 HEADERS_STEP = ["strategy", "W", "all-gather MiB", "reduce-scatter MiB", "all-reduce MiB", "total MiB", "formula",
                 "formula MiB", "counted / formula", "note"]
 STEP_STRATEGIES = ["FSDP", "FSDP no-reshard", "FSDP2 (torch)", "FSDP2 (torch) no-reshard", "DDP (torch)", "HSDP 2x2"]
@@ -92,17 +93,31 @@ def hsdp_formula(R: int, S: int) -> float:
 
 
 def fit_alpha_beta(sizes: list[float], seconds: list[float], w: int) -> dict:
-    """Least squares of T = a + b N over the sizes; alpha = a / (W-1), beta = (W-1) / (W b) (bytes/s)."""
+    """Least squares of T = a + b N weighted by relative error (each point's residual divided by its T, so the
+    small sizes, where the latency term lives, count as much as the large ones); alpha = a / (W-1), beta =
+    (W-1) / (W b) (bytes/s). With it the standard errors of a and b (from the weighted residuals), and whether
+    alpha is *resolved*: a > 2 SE(a). An unresolved alpha (or one <= 0) is below this machine's noise: the handout's
+    rule is then to use alpha_bound = max(a, 0) / (W-1) + 2 SE(a) / (W-1) as an upper bound, never the fit."""
     n = len(sizes)
-    mx, my = sum(sizes) / n, sum(seconds) / n
-    sxx = sum((x - mx) ** 2 for x in sizes)
-    b = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx if sxx else float("nan")
+    wts = [1 / y ** 2 for y in seconds]
+    sw = sum(wts)
+    mx = sum(wi * x for wi, x in zip(wts, sizes)) / sw
+    my = sum(wi * y for wi, y in zip(wts, seconds)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(wts, sizes))
+    b = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(wts, sizes, seconds)) / sxx if sxx else float("nan")
     a = my - b * mx
+    resid = sum(wi * (a + b * x - y) ** 2 for wi, x, y in zip(wts, sizes, seconds))
+    s2 = resid / (n - 2) if n > 2 else float("nan")  # relative variance of one point
+    se_b = (s2 / sxx) ** 0.5 if sxx else float("nan")
+    se_a = (s2 * (1 / sw + mx ** 2 / sxx)) ** 0.5 if sxx else float("nan")
     alpha = a / (w - 1)
     beta = (w - 1) / (w * b) if b > 0 else float("inf")
+    resolved = bool(a > 2 * se_a)  # NaN compares False: two sizes cannot resolve it
     worst = max(abs(a + b * x - y) / y for x, y in zip(sizes, seconds))
     return {"alpha_s": alpha, "beta_bytes_per_s": beta, "a_s": a, "b_s_per_byte": b, "max_rel_error": worst,
-            "sizes": n}
+            "sizes": n, "weighting": "relative error (1/T^2)", "alpha_se_s": se_a / (w - 1),
+            "beta_rel_se": se_b / b if b > 0 else float("nan"), "alpha_resolved": resolved,
+            "alpha_bound_s": (max(a, 0.0) + 2 * se_a) / (w - 1)}
 
 
 def human(n: int) -> str:
@@ -242,14 +257,14 @@ def main(argv=None) -> dict:
             k = FORMULA[name]
             if name in HSDP_MESH:
                 R, S = HSDP_MESH[name]
-                formula, formula_text = hsdp_formula(R, S) * psi * 4 / report.MiB, "3Ψ(S-1)/S+2Ψ(R-1)/(RS)"
+                formula, formula_text = hsdp_formula(R, S) * psi * 4 / report.MiB, "(3(K-1)/K+2(R-1)/(RK))Ψ·4B"
                 groups = summary.get("by_group", {})
                 note = "; ".join(f"group {g}: " + " + ".join(f"{kind.replace('_', '-')} {v['bus_bytes'] / report.MiB:.2f}"
                                                              for kind, v in kinds.items()) + " MiB"
                                  for g, kinds in sorted(groups.items()))
                 note = f"rank 0's groups: {note} (shard group: S={S} ranks; replicate group: R={R})"
             else:
-                formula, formula_text = k * psi * 4 * (w - 1) / w / report.MiB, f"{k}Ψ(W-1)/W"
+                formula, formula_text = k * psi * 4 * (w - 1) / w / report.MiB, f"{k}Ψ(W-1)/W·4B"
                 note = "counted through a comm hook (dist.all_reduce per bucket)" if name == "DDP (torch)" else ""
                 root_kept = (k * psi - units["root"]) * 4 * (w - 1) / w / report.MiB
                 if k == 3 and abs(total / formula - 1) > 0.01 and abs(total / root_kept - 1) <= 0.01:
@@ -268,8 +283,13 @@ def main(argv=None) -> dict:
                 continue
             f = fit_alpha_beta([r["size"] for r in pts], [r["seconds"] for r in pts], w)
             fits.append({"kind": kind, "world_size": w, "interconnect": interconnect, **f})
-            fit_rows.append([kind.replace("_", "-"), w, interconnect, f["alpha_s"] * 1e6, f["beta_bytes_per_s"] / 1e9,
-                             f["sizes"], f"{f['max_rel_error']:.1%}"])
+            beta_gb = f["beta_bytes_per_s"] / 1e9
+            fit_rows.append([kind.replace("_", "-"), w, interconnect,
+                             f"{f['alpha_s'] * 1e6:.0f} ± {2 * f['alpha_se_s'] * 1e6:.0f}",
+                             "yes" if f["alpha_resolved"] else f"no: alpha < {f['alpha_bound_s'] * 1e6:.0f} us",
+                             f"{beta_gb:.3g} ± {2 * f['beta_rel_se'] * beta_gb:.2g}" if 0 < beta_gb < float("inf")
+                             else "n/a (fitted slope <= 0: the sizes are too small or too noisy)", f["sizes"],
+                             f"{f['max_rel_error']:.1%}"])
 
     md = (f"Collectives: {interconnect}; time us = median (min-max, n) of repeats, each the slowest rank's mean "
           f"over a batch of calls; algbw and busbw from the median; busbw = size/time x (W-1)/W.\n\n"
@@ -278,8 +298,9 @@ def main(argv=None) -> dict:
           f"{psi * 4 / report.MiB:.2f} MiB:\n\n" + report.markdown_table(HEADERS_STEP, step_rows)
           + ("\n" + "\n".join(skipped) + "\n" if skipped else "")
           + "\nalpha-beta fit of the collectives (the handout's model T(N, W) = (W-1)·alpha + (W-1)/W·N/beta, N = the "
-          "full tensor's bytes; least squares over the sizes above, per W; alpha < 0 means the small sizes are "
-          "dominated by noise):\n\n" + report.markdown_table(HEADERS_FIT, fit_rows))
+          "full tensor's bytes; least squares over the sizes above weighted by relative error, per W; ± two standard "
+          "errors; alpha is resolved when it exceeds two standard errors, otherwise only its upper bound is "
+          "measured):\n\n" + report.markdown_table(HEADERS_FIT, fit_rows))
     raw = {"benchmark": NAME, "alpha_beta": fits, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": report.environment(),
            "interconnect": interconnect, "collectives": coll_records, "bytes_per_step": step_records, "skipped": skipped}
 

@@ -67,7 +67,8 @@ NAME = "memory"
 QUICK = ["--world-sizes", "2", "--repeat", "1", "--strategies", "one process", "FSDP", "FSDP2 (torch)"] + QUICK_MODEL
 HEADERS = ["strategy", "W", "peak MiB", "model MiB", "model error", "vs one process", "params MiB", "grads MiB",
            "optim MiB", "unsharded MiB", "activations MiB"]
-STRATEGIES = ["one process", "DDP (torch)", "FSDP", "FSDP no-reshard", "FSDP + prefetch", "FSDP2 (torch)"]
+STRATEGIES = ["one process", "DDP (torch)", "FSDP", "FSDP no-reshard", "FSDP + prefetch",
+              "FSDP + prefetch, 2 blocks/unit", "FSDP2 (torch)"]
 CATEGORIES = ["params", "grads", "optim", "unsharded", "activations"]
 
 
@@ -138,24 +139,27 @@ def _categories(bd: dict) -> dict:
 
 def analytic(name: str, w: int, cfg, activations: float) -> dict:
     """Bytes per rank predicted for ``name`` at world size ``w`` (see the module docstring)."""
-    units = trainers.unit_param_counts(cfg)
+    family, opt = trainers.STRATEGIES[name]
+    units = trainers.unit_param_counts(cfg, opt.get("blocks_per_unit", 1))
     n_root, n_block, n_blocks = units["root"], units["block"], units["n_blocks"]
     psi = n_root + n_block * n_blocks
-    family, opt = trainers.STRATEGIES[name]
     sharded = family in ("fsdp", "fsdp2")
     s = (math.ceil(n_root / w) + n_blocks * math.ceil(n_block / w)) if sharded else psi
     tied = cfg.vocab_size * cfg.n_embd  # the tied embedding/head weight
     if not sharded:
         u_p, u_g, u_end = 0, tied, 2 * tied
-    elif opt.get("reshard", True):
-        u_p, u_g, u_end = n_root + n_block * (2 if opt.get("prefetch") else 1), 2 * n_block + tied, 2 * n_root + 2 * tied
     else:
-        u_p, u_g, u_end = psi, 2 * n_block + tied, psi + n_root + 2 * tied
+        # U_p: the root and the block unit computing (+1 prefetched); without reshard after forward every unit
+        # is still unsharded from its forward. U_end: every unit is resharded after its own backward (reshard
+        # after forward or not), so at the end only the root's full parameters and gradient are left.
+        u_p = n_root + n_block * min(2 if opt.get("prefetch") else 1, n_blocks) if opt.get("reshard", True) else psi
+        u_g, u_end = 2 * n_block + tied, 2 * n_root + 2 * tied
     start = 12 * s + activations + 4 * (u_p + u_g)
     end = 16 * s + 4 * u_end
     if family == "ddp":  # buckets hold the gradients from construction on
         start = end = 16 * s + activations + 4 * tied
-    return {"S": s, "psi": psi, "states_bytes": 16 * s, "activations_bytes": activations,
+    return {"S": s, "psi": psi, "n_root": n_root, "n_block_unit": n_block, "n_block_units": n_blocks,
+            "U_p": u_p, "U_g": u_g, "U_end": u_end, "states_bytes": 16 * s, "activations_bytes": activations,
             "unsharded_params_bytes": 4 * u_p, "unsharded_grads_bytes": 4 * u_g, "end_extra_bytes": 4 * u_end,
             "at_backward_start": start, "at_backward_end": end, "peak_bytes": max(start, end)}
 

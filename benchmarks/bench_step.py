@@ -72,11 +72,13 @@ NAME = "step"
 QUICK = ["--world-sizes", "2", "--rounds", "1", "--steps", "1", "--memory-rounds", "1", "--profile-steps", "1"] + QUICK_MODEL
 HEADERS = ["strategy", "W", "interconnect", "step ms", "vs one process", "exposed comm", "tokens/s"]
 HEADERS_RATIO = ["comparison", "W", "interconnect", "ratio (median)", "min", "max", "rounds"]
-STRATEGIES = ["FSDP", "FSDP + prefetch", "FSDP2 (torch)", "DDP (torch)"]
+STRATEGIES = ["FSDP", "FSDP + prefetch", "FSDP + prefetch, 2 blocks/unit", "FSDP2 (torch)", "DDP (torch)"]
 # (label, numerator, denominator, what)
 RATIOS = [("FSDP / FSDP2 step time", "FSDP", "FSDP2 (torch)", "time"),
           ("FSDP + prefetch / FSDP2 step time", "FSDP + prefetch", "FSDP2 (torch)", "time"),
           ("FSDP + prefetch / FSDP step time", "FSDP + prefetch", "FSDP", "time"),
+          ("2 blocks/unit / 1 block/unit step time (prefetch)", "FSDP + prefetch, 2 blocks/unit", "FSDP + prefetch",
+           "time"),
           ("FSDP / FSDP2 peak memory", "FSDP", "FSDP2 (torch)", "memory")]
 
 
@@ -175,7 +177,7 @@ def exposed_cell(per_rank: list[dict]) -> str:
     def ms(x: float) -> str:
         return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
-    return (f"{statistics.median(fr):.0%} ({min(fr):.0%}-{max(fr):.0%} over ranks); "
+    return (f"{statistics.median(fr):.0%} of the profiled step ({min(fr):.0%}-{max(fr):.0%} over ranks); "
             f"{ms(statistics.median(e['exposed_comm_ms'] for e in got))} of "
             f"{ms(statistics.median(e['comm_ms'] for e in got))} ms in flight")
 

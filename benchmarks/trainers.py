@@ -39,6 +39,8 @@ STRATEGIES = {
     "FSDP": ("fsdp", {"reshard": True, "prefetch": False}),
     "FSDP no-reshard": ("fsdp", {"reshard": False, "prefetch": False}),
     "FSDP + prefetch": ("fsdp", {"reshard": True, "prefetch": True}),
+    # The unit-size experiment: two consecutive blocks per unit (half as many units, each twice as large)
+    "FSDP + prefetch, 2 blocks/unit": ("fsdp", {"reshard": True, "prefetch": True, "blocks_per_unit": 2}),
     "FSDP2 (torch)": ("fsdp2", {"reshard": True}),
     "FSDP2 (torch) no-reshard": ("fsdp2", {"reshard": False}),
     # The HSDP bonus: a 2-D mesh (replicas R, shard size S) = (2, 2), so W = 4 only.
@@ -111,6 +113,10 @@ def build_trainer(name: str, cfg, batch: int, device: torch.device, meter: CommM
     elif family == "fsdp":
         import adapters
 
+        k = opt.get("blocks_per_unit", 1)
+        if k > 1:  # regroup the blocks: GPT.forward runs model.blocks in order, a Sequential of k runs the same ops
+            blocks = list(model.blocks)
+            model.blocks = torch.nn.ModuleList(torch.nn.Sequential(*blocks[i:i + k]) for i in range(0, len(blocks), k))
         for block in model.blocks:
             adapters.fully_shard(block, reshard_after_forward=opt["reshard"])
         adapters.fully_shard(model, reshard_after_forward=opt["reshard"])
@@ -159,12 +165,16 @@ def param_count(cfg) -> int:
         return sum(p.numel() for p in GPT(cfg).parameters())
 
 
-def unit_param_counts(cfg) -> dict:
-    """Parameters per FSDP unit: the root (embeddings, ln_f, tied head) and one block."""
+def unit_param_counts(cfg, blocks_per_unit: int = 1) -> dict:
+    """Parameters per FSDP unit: the root (embeddings, ln_f, tied head) and one block unit (``blocks_per_unit``
+    consecutive blocks); ``n_blocks`` is the number of block units."""
     from fsdp_assignment.support.models import GPT
 
     with torch.device("meta"):
         m = GPT(cfg)
     block = sum(p.numel() for p in m.blocks[0].parameters())
-    return {"root": param_count(cfg) - block * cfg.n_layer, "block": block, "n_blocks": cfg.n_layer}
+    if cfg.n_layer % blocks_per_unit:
+        raise ValueError(f"n_layer={cfg.n_layer} is not a multiple of {blocks_per_unit} blocks per unit")
+    return {"root": param_count(cfg) - block * cfg.n_layer, "block": block * blocks_per_unit,
+            "n_blocks": cfg.n_layer // blocks_per_unit}
 

@@ -54,13 +54,33 @@ def machine() -> dict:
             "python": platform.python_version(), "load_1min": round(load[0], 2)}
 
 
-def run_benchmarks(out: Path, full: bool) -> tuple[str, float]:
-    cmd = [sys.executable, "benchmarks/run_all.py", "--out", str(out)] + ([] if full else ["--quick"])
+def run_benchmarks(out: Path, full: bool) -> dict:
+    """Run the reference's benchmarks into a temporary folder and keep their JSON and tables in ``out`` with a
+    run.json record: machine, load before and after, command, seconds, the fingerprint of the code that made them."""
+    import shutil
+
+    tmp = Path(tempfile.mkdtemp(prefix="answer-key-"))
+    cmd = [sys.executable, "benchmarks/run_all.py", "--out", str(tmp)] + ([] if full else ["--quick"])
     env = dict(os.environ, FSDP_IMPL="reference")
+    fingerprint, before = sources_fingerprint(), machine()
     t0 = time.monotonic()
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
-    shown = "FSDP_IMPL=reference python benchmarks/run_all.py" + ("" if full else " --quick") + " --out <a temporary dir>"
-    return shown, time.monotonic() - t0
+    seconds, after = time.monotonic() - t0, machine()
+    if sources_fingerprint() != fingerprint:
+        raise SystemExit("the benchmark or reference sources changed during the run: run again")
+    src = tmp if full else tmp / "quick"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in KEPT:
+        for ext in ("json", "md"):
+            if (src / f"{name}.{ext}").exists():
+                shutil.copy(src / f"{name}.{ext}", out / f"{name}.{ext}")
+    if (src / "step_timeline.png").exists():
+        shutil.copy(src / "step_timeline.png", out / "step_timeline.png")
+    record = {"command": "FSDP_IMPL=reference python benchmarks/run_all.py" + ("" if full else " --quick"),
+              "seconds": round(seconds), "machine_before": before, "machine_after": after,
+              "sources_sha256": fingerprint, "fingerprinted": list(FINGERPRINTED), "quick": not full}
+    (out / "run.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return record
 
 
 def load(results: Path, name: str) -> dict:
@@ -95,8 +115,14 @@ def section(lines: list[str], title: str) -> None:
     lines += ["", f"## {title}", ""]
 
 
-FINGERPRINTED = ("benchmarks/*.py", "fsdp_assignment/reference/*.py", "fsdp_assignment/support/*.py", "adapters.py",
-                 "staff/answer_key/regenerate.py")
+# The code that produces the results (the benchmark run); regenerate.py itself only derives from them, so editing
+# it means re-deriving (--rederive), not re-running the benchmarks.
+FINGERPRINTED = ("benchmarks/*.py", "fsdp_assignment/reference/*.py", "fsdp_assignment/support/*.py", "adapters.py")
+RESULTS = HERE / "results"  # the staff run's results (JSON and tables), committed: NUMBERS.md and the key derive from it
+KEPT = ("memory", "comm", "step", "scaling")
+# run_all.py only routes flags and chains the four scripts: what it computes is theirs (and helper fixes to its
+# --help must not make the committed results stale)
+NOT_FINGERPRINTED = ("benchmarks/run_all.py",)
 WORLD_SIZES = (1, 2, 4)  # what the defaults run (memory and scaling; comm and step need W >= 2)
 
 
@@ -120,6 +146,8 @@ def sources_fingerprint(root: Path = ROOT) -> str:
     h = hashlib.sha256()
     for pattern in FINGERPRINTED:
         for path in sorted(root.glob(pattern)):
+            if path.relative_to(root).as_posix() in NOT_FINGERPRINTED:
+                continue
             h.update(path.relative_to(root).as_posix().encode() + b"\0")
             h.update(_code_only(path.read_text(encoding="utf-8")).encode() + b"\0")
     return h.hexdigest()
