@@ -44,42 +44,71 @@ def test_the_key_grades_every_deliverable_with_its_points():
 
 
 REGENERATE = "python staff/answer_key/regenerate.py"
+SOURCE = ROOT / "staff" / "answer_key" / "key_source.md"
+RESULTS = ROOT / "staff" / "answer_key" / "results"
+
+# A number the key's prose may not type: a decimal, a thousands-grouped number, a percentage, a number with a unit,
+# or a fraction in words ("about a sixth", "under a tenth"). Integers inside formulas (16 S, 2 (W - 1)/W), part
+# points and question numbers are structure, not measurements.
+UNITS = r"(?:MiB|GiB|KiB|GB|MB|KB|ms|us|µs|B|bytes|GB/s)\b"
+TYPED_NUMBER = re.compile(
+    r"(?<![\w.{])\d+\.\d+(?![\w.])"                       # 0.17
+    r"|(?<![\w.])\d{1,3}(?:,\d{3})+(?![\w.])"               # 1,000,003
+    r"|\d+(?:\.\d+)?\s?%"                                  # 15%
+    r"|(?<![\w.(])\d+(?:\.\d+)?\s?" + UNITS +               # 80 GB, 6 bytes
+    r"|(?i:\b(?:a|one|two|an?)\s+(?:half|third|quarter|fifth|sixth|seventh|eighth|ninth|tenth)s?\b)")
 
 
-def _run_record(text: str) -> dict:
-    m = re.search(r"^<!-- run: (\{.*\}) -->$", text, re.MULTILINE)
-    assert m, f"NUMBERS.md has no '<!-- run: {{...}} -->' record of its run: regenerate it ({REGENERATE})"
-    return json.loads(m.group(1))
+def typed_numbers(source: str) -> list[str]:
+    """The numbers ``source`` types outside {{placeholders}} and outside part points like "(1)", "(0.5)", "1.5:"."""
+    text = re.sub(r"\{\{\w+\}\}", " ", source)
+    text = re.sub(r"\*\*Q\d+ \(\d+\)\.\*\*", " ", text)                      # **Q9 (5).**
+    text = re.sub(r"\((\d+(?:\.\d+)?)\)|\b\d+(?:\.\d+)?(?=:)", " ", text)          # (1), (0.5), 1.5:
+    text = re.sub(r"\b\d+(?:\.\d+)? (?:each|per (?:reason|item|volume))\b", " ", text)  # 0.5 each
+    return [m.group(0) for m in TYPED_NUMBER.finditer(text)]
 
 
-def test_the_numbers_are_generated_and_name_their_machine():
-    text = NUMBERS.read_text(encoding="utf-8")
-    assert text.startswith("<!-- STAFF ANSWER KEY"), "NUMBERS.md must carry the answer-key marker"
-    assert REGENERATE in text
-    assert re.search(r"^- Machine: .+ cores", text, re.MULTILINE) and "Load average" in text
-    assert "implementation `reference`" in text, "the numbers must come from the reference's benchmark run"
-    for q in ("Q2", "Q4", "Q8", "Q10 and Q15", "Q14", "Q16", "Q17", "Q18", "Q19", "Q20", "Q22", "Q24"):
-        assert f"## {q} " in text, f"NUMBERS.md has no section for {q}"
-    # Every [N: ...] the key refers to exists.
-    for ref in set(re.findall(r"\[N: (Q[^\]]+)\]", KEY.read_text(encoding="utf-8"))):
-        assert f"## {ref} " in text, f"ANSWER_KEY.md refers to [N: {ref}], which NUMBERS.md does not have"
+def test_the_key_source_types_no_number():
+    """Every number the key carries is a placeholder that regenerate.py computes: the key cannot go stale."""
+    found = typed_numbers(SOURCE.read_text(encoding="utf-8"))
+    assert not found, (f"key_source.md types numbers instead of computing them: {found}; add a value in "
+                       f"regenerate.py's values() and write {{{{its_name}}}} in the prose")
 
 
-def test_the_numbers_come_from_a_default_size_run_of_the_current_sources():
-    """Not --quick, every W of the defaults (1, 2, 4), made by a run (not --from a folder), and fresh: the
-    fingerprint of the code that determines the numbers (regenerate.py's FINGERPRINTED: benchmarks, reference,
-    support, adapters, regenerate.py itself; docstrings and comments excluded) equals the one recorded."""
-    record = _run_record(NUMBERS.read_text(encoding="utf-8"))
-    assert not record["quick"], f"NUMBERS.md was made from a --quick run: re-run {REGENERATE} (default sizes)"
-    assert not record["from_dir"], f"NUMBERS.md was made with --from a folder nothing vouches for: re-run {REGENERATE}"
-    ws = record["world_sizes"]
-    assert ws.get("memory") == [1, 2, 4] and ws.get("scaling") == [1, 2, 4] and ws.get("comm") == [2, 4], (
-        f"NUMBERS.md lacks a W of the defaults (memory and scaling W = 1, 2, 4; comm W = 2, 4): {ws}; re-run {REGENERATE}")
+def test_the_typed_number_check_catches_prose_numbers():
+    """The check above on a wrong variant: the old key's "under a tenth" and "0.17" are caught, structure is not."""
+    assert typed_numbers("ours fall from about a third of the step or more to under a tenth") == ["a third", "a tenth"]
+    assert typed_numbers("NUMBERS says 0.17 to 0.18, 7.44 ms, 1,000,004 and 15%") == ["0.17", "0.18", "7.44",
+                                                                                        "1,000,004", "15%"]
+    assert typed_numbers("**Q9 (5).** (a) 1: 16 S + 4 U_end, 2 (W - 1)/W, (0.5) and {{q9_fsdp_w4}}") == []
+
+
+def test_the_key_and_numbers_are_rendered_from_the_committed_results():
+    """ANSWER_KEY.md and NUMBERS.md are exactly what regenerate.py renders from staff/answer_key/results/."""
     regenerate = _load("_regenerate", "staff/answer_key/regenerate.py")
+    v = regenerate.values(RESULTS)
+    key = regenerate.render_key(SOURCE.read_text(encoding="utf-8"), v)  # strict: every placeholder has a value
+    assert KEY.read_text(encoding="utf-8") == key, f"ANSWER_KEY.md is not the rendering of key_source.md: run {REGENERATE} --rederive"
+    record = json.loads((RESULTS / "run.json").read_text())
+    assert NUMBERS.read_text(encoding="utf-8") == regenerate.numbers_md(RESULTS, v, record), \
+        f"NUMBERS.md is not what {REGENERATE} --rederive writes"
+    assert "n/a" not in key.split("## Bonus")[0], "a value of the key is n/a in the staff run"
+
+
+def test_the_results_come_from_a_default_size_run_of_the_current_code():
+    """Not --quick, every W of the defaults, and made by the benchmark code of today (the fingerprint of the code,
+    docstrings and comments excluded, of regenerate.FINGERPRINTED)."""
+    regenerate = _load("_regenerate", "staff/answer_key/regenerate.py")
+    record = json.loads((RESULTS / "run.json").read_text())
+    assert not record["quick"], f"the staff results come from a --quick run: re-run {REGENERATE}"
+    ws = {n: sorted({r["world_size"] for r in (json.loads((RESULTS / f"{n}.json").read_text()).get("results")
+                                               or json.loads((RESULTS / f"{n}.json").read_text()).get("collectives"))})
+          for n in ("memory", "comm", "step", "scaling")}
+    assert ws["memory"] == [1, 2, 4] and ws["scaling"] == [1, 2, 4] and ws["comm"] == [2, 4], ws
     assert record["fingerprinted"] == list(regenerate.FINGERPRINTED)
     assert record["sources_sha256"] == regenerate.sources_fingerprint(), (
-        f"NUMBERS.md is stale: the code of {', '.join(regenerate.FINGERPRINTED)} changed since it was made; re-run "
-        f"{REGENERATE} (about 5 minutes on 2 cores) and commit NUMBERS.md")
+        f"the staff results are stale: the code of {', '.join(regenerate.FINGERPRINTED)} changed since they were "
+        f"made; re-run {REGENERATE} (about 10 minutes on 2 loaded cores) and commit staff/answer_key/")
 
 
 def test_the_fingerprint_ignores_docstrings_and_comments_but_not_code():
@@ -91,36 +120,56 @@ def test_the_fingerprint_ignores_docstrings_and_comments_but_not_code():
     assert regenerate._code_only(code) != regenerate._code_only(other)
 
 
-def test_every_number_the_key_quotes_is_in_numbers_md_or_the_question():
-    """The key types no measurement: every decimal or thousands-grouped number in it (1.5 points aside, written
-    as "(1.5)" or "1.5:") is in NUMBERS.md, the template's questions or the handout's sources."""
-    key = KEY.read_text(encoding="utf-8").split("## Bonus")[0]
-    key = re.sub(r"\(\d+(?:\.\d+)?\)|\b\d+(?:\.\d+)?(?=:| \(0\.5 (?:each|per))", "", key)  # points of parts
-    sources = NUMBERS.read_text(encoding="utf-8") + (ROOT / "WRITEUP_TEMPLATE.md").read_text(encoding="utf-8") + \
-        "".join(p.read_text(encoding="utf-8") for p in (ROOT / "handout").glob("*.typ"))
-    quoted = set(re.findall(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+\.\d+)(?![\w.])", key))
-    missing = sorted(n for n in quoted if n not in sources)
-    assert not missing, f"ANSWER_KEY.md quotes numbers found neither in NUMBERS.md nor in the questions: {missing}"
+def test_the_cluster_scenario_is_the_templates():
+    """Q15's constants in regenerate.SCENARIO are the ones the template's question states."""
+    regenerate = _load("_regenerate", "staff/answer_key/regenerate.py")
+    sc = regenerate.SCENARIO
+    q15 = (ROOT / "WRITEUP_TEMPLATE.md").read_text(encoding="utf-8").split("**Q15.**")[1].split("## ")[0]
+    for phrase in (f"{sc['psi'] / 1e9:.0f}B", f"{sc['nodes']} nodes × {sc['gpus_per_node']} GPUs of {sc['gpu_gb']} GB",
+                   f"{sc['pcie_gbps']} GB/s in each direction", f"bf16 ({sc['ag_bytes']} bytes)",
+                   f"fp32 ({sc['rs_bytes']} bytes)"):
+        assert phrase in q15, f"the template's Q15 does not state {phrase!r} (regenerate.SCENARIO)"
 
 
-def test_the_handouts_bands_are_the_numbers_md_run():
+def test_the_handouts_bands_are_the_staff_run():
     """The "staff run" column of the handout's bands table (handout/benchmarks.typ, @tab-bands) is NUMBERS.md's
-    Bands section, rounded as printed: a rerun of regenerate.py that moves a band's figure fails here until the
-    handout is updated (the last round's key came from another run than the one students make)."""
+    Bands section, rounded as printed."""
     typ = (ROOT / "handout" / "benchmarks.typ").read_text(encoding="utf-8")
     table = typ[typ.index("table.header([quantity (table)]"):typ.index("<tab-bands>")]
     staff = [re.findall(r"\d+\.\d+|\d+(?=%)", row[1]) for row in re.findall(r"\[([^\]]*)\], \[([^\]]*)\], \[", table)]
     bands = NUMBERS.read_text(encoding="utf-8").split("## Bands")[1].split("\n## ")[0]
     measured = [float(x) for x in re.findall(r"(?<![\w.])\d+\.\d+|\d+(?=%)", bands)]
-    wrong = []
-    for figures in staff:
-        for fig in figures:
-            digits = len(fig.split(".")[1]) if "." in fig else 0
-            if not any(round(m, digits) == float(fig) for m in measured):
-                wrong.append(fig)
-    assert sum(map(len, staff)) >= 6, f"the bands table lost its figures: {staff}"
-    assert not wrong, (f"handout/benchmarks.typ's bands quote {wrong}, which NUMBERS.md's Bands section does not "
-                       "have: copy the new run's figures into @tab-bands")
+    wrong = [fig for figures in staff for fig in figures
+             if not any(round(m, len(fig.split(".")[1]) if "." in fig else 0) == float(fig) for m in measured)]
+    assert sum(map(len, staff)) >= 4, f"the bands table lost its figures: {staff}"
+    assert not wrong, f"handout/benchmarks.typ's bands quote {wrong}, which NUMBERS.md's Bands section does not have"
+
+
+def test_check_tables_catches_a_hand_edited_table(tmp_path):
+    """staff/answer_key/check_tables.py on a submission zip (WRITEUP.md and benchmarks/results/*.json, as
+    make_submission.sh packs them): the tables pasted as printed pass; one number edited by hand is reported."""
+    import zipfile
+
+    check = _load("_check_tables", "staff/answer_key/check_tables.py")
+    pasted = "\n\n".join((RESULTS / f"{n}.md").read_text() for n in ("memory", "comm", "step", "scaling"))
+
+    def submit(text: str) -> Path:
+        zp = tmp_path / f"submission{len(list(tmp_path.iterdir()))}.zip"
+        with zipfile.ZipFile(zp, "w") as z:
+            z.writestr("WRITEUP.md", text)
+            for n in ("memory", "comm", "step", "scaling"):
+                z.write(RESULTS / f"{n}.json", f"benchmarks/results/{n}.json")
+        return zp
+
+    assert check.main([str(submit(pasted))]) == 0
+    line = next(x for x in pasted.splitlines() if x.startswith("| FSDP | 4 |"))
+    cells = line.split("|")
+    cells[3] = f" {float(cells[3].split()[0]) * 0.9:.3g} "  # the peak, 10% better than measured
+    edited = pasted.replace(line, "|".join(cells))
+    problems, _ = check.check(edited, {n: json.loads((RESULTS / f"{n}.json").read_text())
+                                       for n in ("memory", "comm", "step", "scaling")})
+    assert any("FSDP | 4" in p and "peak MiB" in p for p in problems), problems
+    assert check.main([str(submit(edited))]) == 1
 
 
 def test_the_release_has_no_answer_key_and_its_check_catches_one(tmp_path):
