@@ -15,7 +15,7 @@ the spread (min-max, n). Bandwidths (from the median) follow nccl-tests:
     busbw = algbw * (W-1)/W     (each rank sends and receives (W-1)/W of the tensor in a ring; busbw is the
                                  number to compare with the link's bandwidth, whatever W is)
 
-The alpha-beta fit (the handout's model of one ring all-gather or reduce-scatter of N bytes, the full tensor, over
+The alpha-beta fit (the handout's model of one ring all-gather or reduce-scatter of N elements (N b bytes, the full tensor) over
 W ranks):
 
     T(N, W) = (W - 1) * alpha + (W - 1) / W * N / beta
@@ -44,9 +44,9 @@ Table headers (comm.md; the writeup copies them):
 | collective | W | interconnect | size | time us | algbw GB/s | busbw GB/s |
 | strategy | W | all-gather MiB | reduce-scatter MiB | all-reduce MiB | total MiB | formula | formula MiB | counted / formula | note |
 
-HSDP 2x2 (the bonus; W = 4 only): a 2-D mesh (R, S) = (2, 2), dim 0 replicates and dim 1 shards. Per rank and step
-all-gathers 2 (S-1)/S Ψ and a reduce-scatter (S-1)/S Ψ inside the shard group, and an all-reduce 2 (R-1)/R Ψ/S of
-the gradient shard across the replicate group: 3Ψ(S-1)/S + 2Ψ(R-1)/(RS) = 2Ψ at 2x2, against FSDP's 2.25Ψ at W = 4,
+HSDP 2x2 (the bonus; W = 4 only): a 2-D mesh (R, K) = (2, 2) (R replicas, each sharded over K ranks), dim 0 replicates and dim 1 shards. Per rank and step
+all-gathers 2 (K-1)/K Ψ and a reduce-scatter (K-1)/K Ψ inside the shard group, and an all-reduce 2 (R-1)/R Ψ/K of
+the gradient shard across the replicate group: 3Ψ(K-1)/K + 2Ψ(R-1)/(RK) = 2Ψ at 2x2 (times 4 bytes), against FSDP's 2.25Ψ at W = 4,
 and only the last term crosses between replicas (nodes). Its note gives the bytes per process group.
 
 The note says when a run does not match its formula but matches a known variant: an implementation that keeps the
@@ -84,11 +84,11 @@ HEADERS_STEP = ["strategy", "W", "all-gather MiB", "reduce-scatter MiB", "all-re
 STEP_STRATEGIES = ["FSDP", "FSDP no-reshard", "FSDP2 (torch)", "FSDP2 (torch) no-reshard", "DDP (torch)", "HSDP 2x2"]
 FORMULA = {"FSDP": 3, "FSDP no-reshard": 2, "FSDP + prefetch": 3, "FSDP2 (torch)": 3,
            "FSDP2 (torch) no-reshard": 2, "DDP (torch)": 2, "HSDP 2x2": None}
-HSDP_MESH = {"HSDP 2x2": (2, 2)}  # (R, S); measured only where W = R x S
+HSDP_MESH = {"HSDP 2x2": (2, 2)}  # (R, K); measured only where W = R x K
 
 
 def hsdp_formula(R: int, S: int) -> float:
-    """Bus bytes per rank per step of HSDP on mesh (R, S), in units of Ψ bytes (the handout's formulas)."""
+    """Bus bytes per rank per step of HSDP on mesh (R, K) (K: the argument S here), in units of 4Ψ bytes (the handout's formulas)."""
     return 3 * (S - 1) / S + 2 * (R - 1) / (R * S)
 
 

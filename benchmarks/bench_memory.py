@@ -28,12 +28,16 @@ The analytic model (per rank, fp32 parameters, AdamW), printed beside each measu
     peak model = max(start of backward, end of backward), in bytes:
       start of backward = 12·S + A + 4·U_p + 4·U_g    (sharded gradients do not exist yet: zero_grad frees them)
       end of backward   = 16·S + 4·U_end
-    U_p        = unsharded parameters: under FSDP the root unit (embeddings, tied head) and the block being
-                 computed, plus one more block with prefetching; all Ψ without reshard; 0 without sharding
+    U_p        = unsharded parameters: under FSDP the root unit (embeddings, tied head) and the block unit being
+                 computed, plus one more block unit with prefetching (when there is one); all Ψ without reshard
+                 after forward; 0 without sharding
     U_g        = unsharded gradients in flight: a block's gradient twice (autograd's per-parameter gradients and
                  the flat buffer the reduce-scatter reads) and the tied head's gradient (vocab x n_embd)
     U_end      = at the end of backward: the tied weight's dense embedding gradient and the sum accumulating it
-                 (2·vocab·n_embd), plus under FSDP the root unit's full parameters and full gradient
+                 (2·vocab·n_embd), plus under FSDP the root unit's full parameters and full gradient (every unit
+                 is resharded after its own backward, with or without reshard after forward: the same U_end)
+    A "block unit" is one block, or two with the "2 blocks/unit" strategy (the unit-size experiment).
+    Each term's element count is in memory.json (results[i].model: S, U_p, U_g, U_end, n_root, n_block_unit).
     DDP        = 16·S + A + 4·vocab·n_embd: its gradient buckets (which .grad are views of) live all the time
 
 Output: <out>/memory.json (every rank's numbers and the model's terms), memory.md, memory.png.

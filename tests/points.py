@@ -37,23 +37,6 @@ WRITEUP_QUESTION_POINTS: dict[str, int] = {
 WRITEUP_TABLE_POINTS: dict[str, int] = {
     "Memory benchmark": 2, "Communication benchmark": 2, "Step time and prefetching": 2, "Scaling": 2,
 }
-BONUS_POINTS: int = 10
-
-TASK_TITLES: dict[int, str] = {1: "meta-device init", 2: "FlatParameter", 3: "forward", 4: "backward",
-                               5: "sharded optimizer and checkpoints", 6: "prefetching", 7: "fully_shard"}
-
-# The writeup, graded by the course staff (not by the autograder): points per question of WRITEUP_TEMPLATE.md
-# ("Q7", as make_submission.sh names them) and per benchmark table (by its section heading). The template prints
-# each question's points and its "Deliverable:" line; tests/staff/test_handout.py checks that both agree with this
-# table, and the staff answer key (staff/answer_key/) gives full, partial and no credit for each.
-WRITEUP_QUESTION_POINTS: dict[str, int] = {
-    "Q1": 2, "Q2": 2, "Q3": 1, "Q4": 2, "Q5": 2, "Q6": 2, "Q7": 3, "Q8": 2, "Q9": 2, "Q10": 2, "Q11": 1, "Q12": 1,
-    "Q13": 3, "Q14": 2, "Q15": 3, "Q16": 3, "Q17": 2, "Q18": 3, "Q19": 2, "Q20": 3, "Q21": 1, "Q22": 3, "Q23": 2,
-    "Q24": 3,
-}
-WRITEUP_TABLE_POINTS: dict[str, int] = {
-    "Memory benchmark": 2, "Communication benchmark": 2, "Step time and prefetching": 2, "Scaling": 2,
-}
 
 # The shape the handout's build reads (staff/build_handout.py, POINTS_SOURCES): string keys, as JSON has them.
 TABLE: dict = {"tasks": {str(k): v for k, v in TASK_POINTS.items()}, "bonus": BONUS_POINTS,

@@ -294,7 +294,7 @@ def test_run_all_quick_writes_tables_json_and_plots(tmp_path):
     # the machine the ranks ran on heads every table; the alpha-beta fit is in comm.md
     for name in HEADERS:
         assert "\nMachine: " in (tmp_path / f"{name}.md").read_text(), name  # after the quick note
-    assert "| collective | W | interconnect | alpha us | beta GB/s |" in (tmp_path / "comm.md").read_text()
+    assert "| collective | W | interconnect | alpha us (± 2 SE) | alpha resolved |" in (tmp_path / "comm.md").read_text()
     # the per-rank profiler traces and the timeline picture are kept
     traces = sorted(p.name for p in (tmp_path / "step.sweep" / "traces").rglob("*.json.gz"))
     assert "FSDP-W2-rank0.json.gz" in traces and "FSDP-W2-rank1.json.gz" in traces, traces
@@ -340,3 +340,35 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     for part in ("memory", "step"):
         assert f"## {part}: dry run, not executed (flags checked)" in md
     assert "## snapshot: ok" in md and "CUDA memory history exists only on a GPU" in md
+
+
+def test_the_alpha_beta_fit_says_whether_alpha_is_resolved():
+    """bench_comm's fit, weighted by relative error: a clean alpha-beta curve resolves alpha (and recovers both
+    values); pure bandwidth with noise of a few percent does not, and gives an upper bound above zero instead.
+    A fit that ignored the small sizes (the old unweighted one) could not tell the two apart."""
+    from benchmarks.bench_comm import fit_alpha_beta
+
+    sizes = [2.0 ** k for k in range(10, 27, 2)]
+    w, alpha, beta = 2, 50e-6, 1e9
+    clean = [(w - 1) * alpha + (w - 1) / w * n / beta for n in sizes]
+    f = fit_alpha_beta(sizes, clean, w)
+    assert f["alpha_resolved"] and abs(f["alpha_s"] / alpha - 1) < 1e-6 and abs(f["beta_bytes_per_s"] / beta - 1) < 1e-6
+    wobble = [1.05, 0.95, 1.04, 0.96, 1.03, 0.97, 1.05, 0.95, 1.0]
+    noisy = [(w - 1) / w * n / beta * k for n, k in zip(sizes, wobble)]  # no latency at all
+    g = fit_alpha_beta(sizes, noisy, w)
+    assert not g["alpha_resolved"] and g["alpha_bound_s"] > 0, g
+
+
+def test_the_memory_model_reshards_every_unit_after_its_backward():
+    """The Models box: U_end is the root's full parameters and gradient plus the tied gradients, with reshard after
+    forward on or off (every unit is resharded after its own backward); only U_p differs (all of Psi). The old
+    model added Psi to U_end without reshard."""
+    from benchmarks import bench_memory, trainers
+
+    cfg = trainers.model_config(bench_memory.parser().parse_args([]))
+    for w in (1, 2, 4):
+        on, off = (bench_memory.analytic(n, w, cfg, 0.0) for n in ("FSDP", "FSDP no-reshard"))
+        assert on["U_end"] == off["U_end"] == 2 * on["n_root"] + 2 * cfg.vocab_size * cfg.n_embd
+        assert off["U_p"] == off["psi"] and on["U_g"] == off["U_g"]
+        two = bench_memory.analytic("FSDP + prefetch, 2 blocks/unit", w, cfg, 0.0)
+        assert two["n_block_unit"] == 2 * on["n_block_unit"] and two["n_block_units"] * 2 == on["n_block_units"]

@@ -184,3 +184,74 @@ def _load_release():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _models_box() -> str:
+    typ = (ROOT / "handout" / "handout.typ").read_text(encoding="utf-8")
+    return typ[typ.index('#callout(title: "Models box"'):typ.index("== How FSDP works")]
+
+
+def test_every_memory_model_term_is_the_same_in_the_box_the_benchmark_and_the_key():
+    """The Models box's terms (its `// term` lines, next to the prose that states them) evaluated for every strategy
+    of bench_memory at W = 1, 2, 4 equal what bench_memory.analytic() computes; and the box's prose and the answer
+    key name every term. The last round's no-reshard U_end (psi + n_root + 2 tied) fails here."""
+    import importlib
+
+    import torch  # noqa: F401  (bench_memory's model reads the GPT on the meta device)
+
+    bench_memory = importlib.import_module("benchmarks.bench_memory")
+    trainers = importlib.import_module("benchmarks.trainers")
+    from benchmarks import cli
+
+    box = _models_box()
+    terms = re.findall(r"^\s*// term (\S+) (U_\w+) = (.+)$", box, re.MULTILINE)
+    assert {(k, t) for k, t, _ in terms} >= {("fsdp", "U_p"), ("fsdp", "U_g"), ("fsdp", "U_end"),
+                                             ("fsdp-no-reshard", "U_p")}, terms
+    cfg = trainers.model_config(bench_memory.parser().parse_args([]))
+    wrong = []
+    for name in bench_memory.STRATEGIES:
+        family, opt = trainers.STRATEGIES[name]
+        if family == "ddp":
+            continue
+        kinds = (["fsdp-no-reshard"] if not opt.get("reshard", True) else []) + \
+            (["fsdp"] if family in ("fsdp", "fsdp2") else ["unsharded"])
+        for w in (1, 2, 4):
+            model = bench_memory.analytic(name, w, cfg, 0.0)
+            env = {"psi": model["psi"], "n_root": model["n_root"], "n_block": model["n_block_unit"],
+                   "n_blocks": model["n_block_units"], "tied": cfg.vocab_size * cfg.n_embd,
+                   "prefetch": int(bool(opt.get("prefetch"))), "min": min}
+            for term in ("U_p", "U_g", "U_end"):
+                expr = next((e for k in kinds for kk, t, e in terms if kk == k and t == term), None)
+                assert expr is not None, f"the Models box has no `// term` line for {term} of {name}"
+                if eval(expr, {"__builtins__": {}}, env) != model[term]:
+                    wrong.append(f"{name}, W={w}: {term} = {expr} gives {eval(expr, {'__builtins__': {}}, env)}, "
+                                 f"bench_memory computes {model[term]}")
+    assert not wrong, "the Models box and bench_memory.analytic() disagree:\n  " + "\n  ".join(wrong)
+    prose = re.sub(r"^\s*//.*$", "", box, flags=re.MULTILINE)
+    key = (ROOT / "staff" / "answer_key" / "key_source.md").read_text(encoding="utf-8")
+    for term, typst in (("U_p", "$U_p$"), ("U_g", "$U_g$"), ("U_end", '$U_"end"$')):
+        assert typst in prose, f"the Models box's prose does not define {term}"
+        assert term in key, f"the answer key never names the model term {term}"
+    assert cli  # the benchmark's own flag defaults made cfg
+
+
+def test_one_symbol_table_and_no_symbol_with_two_meanings():
+    """The box's symbol table defines each symbol once; the template, the key, the box and the benchmarks' printed
+    formulas use none of the retired double meanings (S as HSDP's shard size, U as a count of units, Psi or N in
+    bytes)."""
+    box = _models_box()
+    table = box[box.index("*0. Symbols*"):box.index("*1. Time of a collective")]
+    symbols = re.findall(r"^\s*\[(\$[^\]]+\$)\], \[", table, re.MULTILINE)
+    assert len(symbols) == len(set(symbols)) and len(symbols) >= 10, symbols
+    for needed in ("$Psi$", "$S$", "$W$", "$b$", "$N$", '$n_"units"$', "$A$"):
+        assert any(needed in s for s in symbols), f"the symbol table lacks {needed}"
+    texts = {"WRITEUP_TEMPLATE.md": (ROOT / "WRITEUP_TEMPLATE.md").read_text(encoding="utf-8"),
+             "key_source.md": (ROOT / "staff" / "answer_key" / "key_source.md").read_text(encoding="utf-8"),
+             "the Models box": box,
+             **{f"{name}'s docstring": ast.get_docstring(ast.parse((ROOT / "benchmarks" / name).read_text(encoding="utf-8")))
+                for name in ("bench_comm.py", "bench_memory.py", "bench_step.py")}}
+    retired = [r"\(R, S\)", r"\$\(R, S\)\$", r"\bfor U units\b", r"\b3 ?U ?α|\b3U\b|3 U α|a = 3 ?U\b",
+               r"Ψ in bytes|here \$Psi\$ in bytes|Ψ = parameters x 4 bytes", r"\bN bytes\b|buffer of \$N\$ bytes"]
+    found = [f"{name}: {m.group(0)!r}" for name, text in texts.items() for pat in retired
+             for m in re.finditer(pat, text)]
+    assert not found, "a retired double meaning is back:\n  " + "\n  ".join(found)
