@@ -466,7 +466,9 @@ def numbers_md(results: Path, v: Values, record: dict) -> str:
              "in `staff/answer_key/results/`.", "",
              f"- Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, no GPU; load average (1 min) "
              f"{m.get('load_1min', '?')} before the run, {after.get('load_1min', '?')} after (the machine was shared "
-             f"with other jobs: a loaded machine, on purpose).",
+             f"with other jobs: a loaded machine, on purpose)"
+             + (f"; observed during the run: {', '.join(f'{x:g}' for x in record['load_observed_1min'])}."
+                if record.get("load_observed_1min") else "."),
              f"- Command: `{record.get('command', '?')}`, {record.get('seconds', '?')} s.",
              f"- Results fingerprint: `{str(record.get('sources_sha256', '?'))[:16]}`.", ""]
     for q, items in v.by_q.items():

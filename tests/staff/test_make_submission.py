@@ -160,7 +160,7 @@ def test_a_template_with_one_character_changed_is_refused_naming_every_question(
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "still the empty template" in proc.stderr, proc.stderr
     questions = [m.group(1) for m in map(QUESTION.match, (s.strip() for s in text.splitlines())) if m]
-    assert len(questions) >= 20
+    assert len(questions) >= 12
     for q in questions:
         assert re.search(rf"^\s+{q}$", proc.stderr, re.MULTILINE), f"{q} not named:\n{proc.stderr}"
 
@@ -168,12 +168,12 @@ def test_a_template_with_one_character_changed_is_refused_naming_every_question(
 def test_each_empty_answer_is_named(repo):
     skip_tables = tuple(table_sections()[:1])
     assert skip_tables, "WRITEUP_TEMPLATE.md has no benchmark table section"
-    (repo / "WRITEUP.md").write_text(filled_writeup(skip=("Q3", "Q17"), skip_tables=skip_tables))
+    (repo / "WRITEUP.md").write_text(filled_writeup(skip=("Q3", "Q13"), skip_tables=skip_tables))
     proc = run(repo, "--skip-tests")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     named = re.findall(r"^\s{6}(\S.*)$", proc.stderr, re.MULTILINE)
-    assert named == ["Q3", "Q17", f"the {skip_tables[0]} table"] or \
-        sorted(named) == sorted(["Q3", "Q17", f"the {skip_tables[0]} table"]), proc.stderr
+    assert named == ["Q3", "Q13", f"the {skip_tables[0]} table"] or \
+        sorted(named) == sorted(["Q3", "Q13", f"the {skip_tables[0]} table"]), proc.stderr
     assert "3 of its deliverables are empty" in proc.stderr
     # Skipping a question on purpose is an answer.
     lines = filled_writeup(skip=("Q3",)).splitlines()
