@@ -126,9 +126,10 @@ def compare(cfg: dict, ours: list[dict], fsdp2: list[dict]) -> None:
         kb = {k: v for k, v in b["sharded_keys"].items() if k not in aliases}
         assert ka == kb, f"{where}: sharded model state dict (key: dtype) {ka}, FSDP2 {kb}"
         if cfg["tie_across_frozen"]:
-            assert a["tie_across_rejected"] == "ValueError", (
+            assert a["tie_across_rejected"] == b["tie_across_rejected"] == "ValueError", (
                 f"{where}: a frozen weight tied across two units (blocks.0.fc2 and blocks.{cfg['n_blocks'] - 1}.fc2) "
-                f"must make fully_shard raise ValueError; it raised {a['tie_across_rejected']}")
+                f"must make fully_shard raise ValueError (FSDP2 raised {b['tie_across_rejected']}); it raised "
+                f"{a['tie_across_rejected']}")
         if collectives:
             for i, (before, total) in enumerate(a["early_reductions"]):
                 assert before == total, (
