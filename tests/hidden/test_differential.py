@@ -1,10 +1,12 @@
 """Hidden, Task 7: differential runs against PyTorch's FSDP2 on generated configurations (tests/hidden/scenarios/differential.py).
 
-A fixed set of seeded configurations (the same for every student) that together use every feature of the
-generator: each runs through your ``fully_shard`` (and the other adapters) in one rank run, and through
+A fixed set of configurations (the same for every student), chosen so that together they use every feature of
+the generator: each runs through your ``fully_shard`` (and the other adapters) in one rank run, and through
 ``torch.distributed.fsdp.fully_shard`` in another that imports none of your code; the parent compares losses,
 input and parameter gradients, parameters after the steps, full and sharded state dicts and optimizer state, and
-checks both runs' invariant monitors. Two spawns for all of them.
+checks both runs' invariant monitors, and that each unit of yours reduces its gradient from its own
+post-backward trigger (before backward reaches the root's input), not from the final callback. Two spawns for
+all of them.
 """
 
 from __future__ import annotations
@@ -31,18 +33,19 @@ GRADED = (
     # mixed precision with an fp32 buffer, AdamW, a keyword input and a block whose only grad-carrying input is
     # a keyword argument, a tie inside a unit, prefetch and reshard_after_forward flipped
     (45, dict(float_buffer=True, adamw=True, kwarg_block=True, bypass_root=False, raf_flip=True,
-              unit_two_outputs=False, meta_init=False)),
+              unit_two_outputs=False, meta_init=False, frozen_tie=False)),
     # a unit run twice, two root outputs and a loss on the second only, nested units, a checkpoint resumed
     (149, dict(float_buffer=False, meta_init=False)),
     # bf16 built on meta, a block with two outputs each made by its own layer, a keyword-only block input,
-    # gradient accumulation, prefetch flipped, a tie inside a unit, a checkpoint resumed
-    (272, dict(meta_init=True, unit_two_outputs=True, kwarg_block=True, float_buffer=True)),
+    # gradient accumulation, prefetch flipped, a frozen tie inside a unit, a checkpoint resumed
+    (272, dict(meta_init=True, unit_two_outputs=True, kwarg_block=True, float_buffer=True, frozen_tie=True)),
 )
 GRADED_SEEDS = tuple(seed for seed, _ in GRADED)
 # Feature pairs the graded set must hold in one configuration (the interactions issue 25 names).
 COVERED_PAIRS = (("meta_init", "bfloat16"), ("meta_init", "float64"), ("mixed_precision", "float_buffer"),
                  ("kwarg_block", "prefetch_flip"), ("raf_flip", "prefetch_flip"), ("meta_init", "tie"),
-                 ("tie", "checkpoint"), ("unit_two_outputs", "meta_init"), ("kwarg_input", "kwarg_block"),
+                 ("tie", "checkpoint"), ("frozen_tie", "meta_init"), ("unit_two_outputs", "meta_init"),
+                 ("kwarg_input", "kwarg_block"),
                  ("bypass_root", "meta_init"), ("mixed_precision", "adamw"))
 WORLD_SIZE = 2
 

@@ -20,7 +20,14 @@ parameter tied inside a unit, an integer buffer updated in forward and a boolean
 parameters, nested units, a unit run twice in one forward, a loss that skips the root's output, SGD with
 momentum or AdamW, ``reshard_after_forward`` off, mixed precision (bf16 compute, fp32 reduction), gradient
 accumulation without sync, prefetching switched between iterations, and a full checkpoint saved and loaded
-into a fresh model and optimizer in the middle.
+into a fresh model and optimizer in the middle. Issue 25 added: a model built on meta in its dtype (bf16, fp64)
+and materialized by ``materialize_meta_module`` (the FSDP2 run builds it eagerly: the values must match), a
+block whose only grad-carrying input is keyword-only, a block with two outputs each made by its own layer, a
+loss made from a block's output that the root does not return, a floating-point buffer in every block (mixed
+precision must not cast it), ``reshard_after_forward`` flipped between iterations (through ``fsdp_units``'
+public ``reshard_after_forward``), a frozen tie inside a unit, and a frozen weight tied across two units, which
+both implementations must refuse with ``ValueError``. ``configure(seed, **features)`` forces features on or
+off: the graded set is chosen to cover every feature, not drawn.
 
 **What is compared** (only what both expose, see the handout's "Checked in every run"): parameters after the
 steps (gathered full), the full gradients of the last backward (FSDP2's ``None`` for a parameter without a
@@ -46,7 +53,7 @@ FEATURES = ("kwarg_input", "two_outputs", "frozen_part", "frozen_unit", "tie", "
             "float64", "bfloat16",
             # issue 25: paths no graded configuration took before
             "meta_init", "kwarg_block", "unit_two_outputs", "bypass_root", "float_buffer", "raf_flip",
-            "tie_across_frozen")
+            "tie_across_frozen", "frozen_tie")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -83,6 +90,7 @@ def generate(seed: int, world_size: int = 2) -> dict:
     cfg["raf_flip"] = r.random() < 0.3
     cfg["bypass_root"] = cfg["bypass_root"] and cfg["no_reshard"] and not cfg["raf_flip"]
     cfg["tie_across_frozen"] = n_blocks > 1 and r.random() < 0.2
+    cfg["frozen_tie"] = cfg["tie"] and r.random() < 0.3
     return cfg
 
 
@@ -104,6 +112,7 @@ def configure(seed: int, world_size: int = 2, **features) -> dict:
         ("frozen_unit, kwarg_block, unit_two_outputs, tie_across_frozen need 2 blocks or more",
          cfg["n_blocks"] < 2 and (cfg["frozen_unit"] or cfg["kwarg_block"] or cfg["unit_two_outputs"]
                                   or cfg["tie_across_frozen"])),
+        ("frozen_tie needs tie", cfg["frozen_tie"] and not cfg["tie"]),
         ("adamw excludes a loss that skips units", cfg["adamw"] and (cfg["aux_only"] or cfg["bypass_root"])),
     ) if wrong]
     if bad:
@@ -138,6 +147,8 @@ class GenBlock(nn.Module):
             self.reset_parameters()
         if cfg["frozen_part"]:
             self.fc1.requires_grad_(False)
+        if cfg["frozen_tie"]:  # the tie inside the unit is frozen (the unit's frozen FlatParameter holds it)
+            self.fc2.weight.requires_grad_(False)
 
     def reset_parameters(self):  # this module's own state only (meta init calls it): the buffer, no RNG
         if hasattr(self, "scale"):
