@@ -82,11 +82,13 @@ class BackwardHooks(ForwardHooks):
     def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Task 3's ``pre_forward``, after registering the post-backward trigger on the inputs.
 
-        When autograd is recording, pass the floating-point input tensors that require grad through
-        ``RegisterPostBackward`` (one call for all of them; none when no input requires grad) and continue
-        with the returned inputs. Do it *before* Task 3's ``pre_forward`` makes the parameter views: autograd
-        runs ready nodes newest first, so the views' node (which accumulates ``unsharded.grad``) is then
-        guaranteed to run before ``post_backward`` reads the gradient.
+        When autograd is recording, pass the floating-point input tensors that require grad, positional and
+        keyword arguments alike, through ``RegisterPostBackward`` (one call for all of them; none when no
+        input requires grad) and continue with the returned inputs. Do it *before* Task 3's ``pre_forward``
+        makes the parameter views: autograd runs ready nodes newest first, so the views' node (which
+        accumulates ``unsharded.grad``) is then guaranteed to run before ``post_backward`` reads the gradient.
+        The tests check that every unit whose inputs carry a gradient reduces it from this trigger, before
+        backward reaches the root's inputs, not later from the final callback.
 
         Activation checkpointing: a forward that runs while the unit is in PRE_BACKWARD is the recomputation
         of a checkpointed region during the unit's own backward (``torch.utils.checkpoint`` with
@@ -124,8 +126,10 @@ class BackwardHooks(ForwardHooks):
         Where the callback is queued matters under reentrant checkpointing: a reentrant recomputation runs
         its own, nested backward pass (a separate graph task), and a callback queued from a hook inside it
         runs when that nested pass ends, long before the whole backward is done. Queue it from the first
-        pre-backward of the outer pass (the root's: its output is the loss) and, once
-        ``shared.backward_callback_queued`` is set, never again until ``finalize_backward`` clears it."""
+        pre-backward of the outer pass, whichever unit's it is (usually the root's, whose output is the loss;
+        but a loss may be made from a unit's output that the root does not return, and then the root's
+        pre-backward never runs) and, once ``shared.backward_callback_queued`` is set, never again until
+        ``finalize_backward`` clears it."""
         raise NotImplementedError("Task 4: implement BackwardHooks.pre_backward() in fsdp_assignment/task4_backward.py (see its docstring)")
 
     def post_backward(self, unit: FSDPUnit) -> None:

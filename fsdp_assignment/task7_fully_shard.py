@@ -65,12 +65,13 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     first). Trainable and frozen parameters go into separate FlatParameters, registered on ``module`` as
     ``_fsdp_flat_param`` / ``_fsdp_flat_param_frozen``. ``mixed_precision`` is a
     ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` is the dtype parameters are gathered and
-    computed in, ``reduce_dtype`` the dtype gradients are reduced in (default: ``param_dtype``). Its
+    computed in, ``reduce_dtype`` the dtype gradients are reduced in (default: ``param_dtype``); buffers are never cast (a
+    floating-point buffer keeps its dtype, in forward and in the state dicts, as with FSDP2). Its
     ``output_dtype`` (FSDP2 casts each unit's forward output to it) is not part of the assignment: raise
     ``NotImplementedError`` naming ``output_dtype`` when it is set, or implement it as FSDP2 does; never ignore it
     (a policy field that silently does nothing). The default process group must be initialized. Raises
-    ``ValueError`` when ``module`` is already a unit, or when one of its parameters was already flattened by another
-    unit, a child or a sibling (a parameter tied across units, e.g. ``fully_shard(m.embed); fully_shard(m.head)``
+    ``ValueError`` when ``module`` is already a unit, or when one of its parameters, trainable or frozen, was already
+    flattened by another unit, a child or a sibling (a parameter tied across units, e.g. ``fully_shard(m.embed); fully_shard(m.head)``
     with ``head.weight is embed.weight``): sharding it twice would give it two independent copies that training
     silently unties. The message names both units; the fix is to apply ``fully_shard`` once, to a module that
     contains every user of the tied parameter. A sibling is not in ``module``'s subtree, so the check needs a record

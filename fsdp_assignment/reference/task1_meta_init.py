@@ -43,7 +43,8 @@ def materialize_meta_module(module: nn.Module, device: torch.device | str) -> No
     """Materialize every meta parameter and buffer of ``module`` on ``device``, with eager-identical values.
 
     Walk ``module.modules()`` in pre-order. For each module that owns meta parameters or buffers (directly,
-    or through a FlatParameter of its FSDP unit), give them storage on ``device``, call the module's
+    or through a FlatParameter of its FSDP unit), give them storage on ``device`` in their own dtype (a bf16
+    or fp64 model stays bf16 or fp64; integer and boolean buffers stay integer and boolean), call the module's
     ``reset_parameters()``, and, for parameters of a sharded unit, copy this rank's slice into the unit's
     shard and drop the full tensor. Raise a ``TypeError`` naming the module when it owns meta state but has
     no ``reset_parameters()``. Call it with the same seed on every rank. Parameters and buffers that are

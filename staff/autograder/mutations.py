@@ -450,6 +450,64 @@ MUTANTS += [
            "returns", "reduce-scatter not finished before step", "test_prefetch_with_frozen_embedding_and_a_fully_frozen_unit"),
 ]
 
+# ---- Paths nobody graded (issue 25; helper "cov", ids m60..m79): each killed by the graded differential --------
+MUTANTS += [
+    Mutant("m60", 4, "            inputs = [t for t in _flatten_tensors((args, kwargs)) if t.requires_grad]",
+           "            inputs = [t for t in _flatten_tensors(args) if t.requires_grad]",
+           "the post-backward trigger is attached to positional inputs only: a unit whose grad-carrying input is a "
+           "keyword argument stays unsharded, its gradient unreduced, until the final callback", "",
+           "test_generated_scripts_match_torch_fsdp2"),
+    Mutant("m61", 4, "        if torch.is_grad_enabled():\n            inputs = [t for t in _flatten_tensors((args, kwargs)) "
+                     "if t.requires_grad]\n            if inputs:\n                outputs = RegisterPostBackward.apply("
+                     "self, unit, *inputs)\n                new = {id(t): o for t, o in zip(inputs, outputs)}\n"
+                     "                args, kwargs = _replace_tensors(args, new), _replace_tensors(kwargs, new)\n"
+                     "        return super().pre_forward(unit, args, kwargs)",
+           "        args, kwargs = super().pre_forward(unit, args, kwargs)\n        if torch.is_grad_enabled():\n"
+           "            inputs = [t for t in _flatten_tensors((args, kwargs)) if t.requires_grad]\n            if inputs:\n"
+           "                outputs = RegisterPostBackward.apply(self, unit, *inputs)\n"
+           "                new = {id(t): o for t, o in zip(inputs, outputs)}\n"
+           "                args, kwargs = _replace_tensors(args, new), _replace_tensors(kwargs, new)\n"
+           "        return args, kwargs",
+           "applies the post-backward trigger after the parameter views are made: post_backward runs before the "
+           "gradient reaches unsharded.grad, so every unit's full gradient stays alive until the final callback", "",
+           "test_generated_scripts_match_torch_fsdp2"),
+    Mutant("m62", 4, "        if not shared.backward_callback_queued:\n",
+           "        if not shared.backward_callback_queued and unit.is_root:\n",
+           "queues the final callback only from the root's pre-backward: a loss that does not pass through the "
+           "root's output has no backstop (reductions never waited, units left unsharded, state never reset)", "",
+           "test_generated_scripts_match_torch_fsdp2"),
+    Mutant("m63", 1, "    shard = nn.Parameter(torch.zeros(flat_param.shard_numel, dtype=flat_param.shard.dtype, device=device),",
+           "    shard = nn.Parameter(torch.zeros(flat_param.shard_numel, device=device),",
+           "materializes a sharded unit's shard in the default dtype: a bf16 or fp64 model built on meta comes back "
+           "fp32", "", "test_generated_scripts_match_torch_fsdp2"),
+    Mutant("m64", 3, "    return _cast_floating(args, unit.param_dtype), _cast_floating(kwargs, unit.param_dtype)",
+           "    for b in unit.module.buffers():\n        if torch.is_floating_point(b):\n"
+           "            b.data = b.data.to(unit.param_dtype)\n"
+           "    return _cast_floating(args, unit.param_dtype), _cast_floating(kwargs, unit.param_dtype)",
+           "mixed precision casts the unit's floating-point buffers to param_dtype too (FSDP2 leaves buffers alone)",
+           "", "test_generated_scripts_match_torch_fsdp2"),
+    Mutant("m65", 5, "            for name in flat_param.param_names:\n                start, end, at = flat_param.shard_range(name)\n"
+                     "                out[prefix + name] = flat_param.shard.detach()[at:at + end - start].clone()",
+           "            for alias, name in flat_param.aliases.items():\n"
+           "                start, end, at = flat_param.shard_range(name)\n"
+           "                out[prefix + alias] = flat_param.shard.detach()[at:at + end - start].clone()",
+           "lists a tied weight under every alias in the sharded state dict (once, under its kept name, is the format)",
+           "", "test_generated_scripts_match_torch_fsdp2"),
+    Mutant("m66", 7, "        if owner is not None and owner[0]() is not None:\n",
+           "        if owner is not None and owner[0]() is not None and param.requires_grad:\n",
+           "checks ties across units for trainable weights only: a frozen weight tied across two units is sharded "
+           "twice without the ValueError", "", "test_generated_scripts_match_torch_fsdp2"),
+    Mutant("m67", 1, "            sub._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)",
+           "            sub._buffers[name] = torch.empty(b.shape, device=device)",
+           "materializes meta buffers in the default dtype: integer and boolean buffers come back float", "",
+           "test_generated_scripts_match_torch_fsdp2"),
+    Mutant("m68", 4, "lambda grads: self.pre_backward(unit),\n                                                              mode=\"any\")",
+           "lambda grads: self.pre_backward(unit),\n                                                              mode=\"all\")",
+           "pre-backward waits for the gradients of all of a unit's outputs (mode=\"all\"): with two outputs each "
+           "made by its own layer, the first one's layer runs backward on freed parameters (setStorage ... size 0)",
+           "", "test_generated_scripts_match_torch_fsdp2"),
+]
+
 
 # ---- what kind of bug each mutant seeds --------------------------------------------------------------------
 # The report groups mutants per task and per kind, so that it says which kinds of bug the suite is shown to
@@ -491,6 +549,9 @@ KIND_OF: dict[str, str] = {
     # issue 21's bonus
     "b01": "hsdp", "b02": "hsdp", "b03": "hsdp", "b04": "hsdp", "b05": "hsdp", "b06": "hsdp", "b07": "hsdp",
     "b08": "hsdp", "b09": "offload", "b10": "offload",
+    # issue 25's paths nobody graded (helper cov)
+    "m60": "lifecycle", "m61": "memory", "m62": "lifecycle", "m63": "state", "m64": "precision",
+    "m65": "checkpoint", "m66": "ownership", "m67": "state", "m68": "lifecycle",
 }
 
 

@@ -9,15 +9,23 @@ import pytest
 
 from tests.harness import run_ranks
 from tests.hidden.scenarios.differential import FEATURES, describe, fsdp2_body, generate, ours_body
-from tests.hidden.test_differential import GRADED_SEEDS, compare, graded_configs
+from tests.hidden.test_differential import COVERED_PAIRS, GRADED_SEEDS, compare, graded_configs
 
 STAFF_SEEDS = tuple(range(1000, 1012))
 
 
 def test_graded_set_uses_every_feature_and_is_deterministic():
-    used = {f for cfg in graded_configs() for f in FEATURES if cfg[f]}
-    assert used == set(FEATURES), f"the graded seeds {GRADED_SEEDS} miss {sorted(set(FEATURES) - used)}"
+    """From the generator's own feature list: a feature added to FEATURES and not graded fails here."""
+    configs = graded_configs()
+    assert all(set(FEATURES) <= set(cfg) for cfg in configs), "a feature in FEATURES that generate() never sets"
+    used = {f for cfg in configs for f in FEATURES if cfg[f]}
+    assert used == set(FEATURES), f"the graded configurations {GRADED_SEEDS} miss {sorted(set(FEATURES) - used)}"
+    for a, b in COVERED_PAIRS:
+        assert {a, b} <= set(FEATURES), f"COVERED_PAIRS names ({a}, {b}), not both in FEATURES"
+        assert any(cfg[a] and cfg[b] for cfg in configs), f"no graded configuration has both {a} and {b}"
     assert graded_configs() == graded_configs()
+    # every feature is also off somewhere (else a feature could be the only way a graded script runs)
+    assert all(any(not cfg[f] for cfg in configs) for f in FEATURES)
 
 
 @pytest.mark.slow
