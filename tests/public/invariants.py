@@ -78,7 +78,7 @@ def _depth(units: list[str]) -> int:
     return max((sum(u.startswith(a) for a in non_root) for u in non_root), default=0)
 
 
-def _unit_of(name: str, units: list[str]) -> str:
+def _unit_of(name: str, units: list[str]) -> str | None:
     """The innermost unit (prefix) whose module contains the module ``name``."""
     return max((u for u in units if u == "" or (name + ".").startswith(u)), key=len, default=None)
 
@@ -147,7 +147,8 @@ def _check_order(it: dict, prev: dict | None, groups: dict, moment: str, layout:
     if not raf:
         return
     # ---- backward: the units in the order their backward began (first gradient seen inside them)
-    grads = [(name, issued, inflight, _unit_of(name, units)) for kind, name, issued, inflight in trace if kind == "grad"]
+    grads = [(name, issued, inflight, _unit_of(name, units))
+             for kind, name, issued, inflight in trace if kind == "grad"]
     border = []
     for _, _, _, u in grads:
         if u not in border:
@@ -156,6 +157,7 @@ def _check_order(it: dict, prev: dict | None, groups: dict, moment: str, layout:
     must = sorted(n for u in units if u for n in need[u])
     root_too = _covers(gathered, must + need.get("", []))
     bneed = {u: (need[u] if u or root_too else []) for u in border}
+
     def begun(pos: int) -> list[str]:  # the units with a gradient seen at or before grads[pos]
         return list(dict.fromkeys(g[3] for g in grads[:pos + 1]))
 
@@ -201,7 +203,7 @@ def check_monitor(report: dict, model: nn.Module, world_size: int, where: str, *
                   collectives: bool = True, bounded: bool = True) -> None:
     """Check every invariant above on one rank's ``Monitor.report()``, against the parent's ``model`` (as it
     was before sharding: same names, same ``requires_grad``). ``collectives=False`` leaves out the three
-    collective invariants, for scripts whose forward runs a unit twice or whose loss skips some units (each
+    collective invariants and the order ones, for scripts whose forward runs a unit twice or whose loss skips some units (each
     correct implementation may then gather or reduce differently). ``bounded=False`` leaves out the bound on
     unsharded units (the differential runs use it for a unit run twice with prefetching)."""
     units = report["units"]
