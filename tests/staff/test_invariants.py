@@ -188,6 +188,27 @@ def _variants(rank, world_size):
         self.wait_for_reductions(unit.shared)
     with _patched(t6.PrefetchHooks, "reduce_scatter", waiting_reduce_scatter):
         out["reductions-overlap"] = _run(rank, world_size, log, steps=1, schedule=prefetch_on)
+    # A switch flipped between iterations is in effect in the very next one: reshard_after_forward flipped on every
+    # unit (the reference passes), and an implementation that reads it once, at a unit's first forward (fails
+    # backward-gathers: it still reshards, so backward gathers again).
+    def reshard_then_keep(step, model, mon):
+        for unit in adapters.fsdp_units(model):
+            unit.reshard_after_forward = step == 0
+        mon.setting(reshard_after_forward=step == 0, prefetch=True)
+        adapters.set_prefetch(model, True)
+    out["reference, reshard_after_forward flipped"] = _run(rank, world_size, log, schedule=reshard_then_keep)
+    first_seen = {}
+
+    def caching_post_forward(self, unit, output):
+        now = unit.reshard_after_forward
+        unit.reshard_after_forward = first_seen.setdefault(id(unit), now)
+        try:
+            return real_post_forward(self, unit, output)
+        finally:
+            unit.reshard_after_forward = now
+    with _patched(t6.PrefetchHooks, "post_forward", caching_post_forward):
+        out["backward-gathers, reshard_after_forward read once"] = _run(rank, world_size, log,
+                                                                         schedule=reshard_then_keep)
     return out
 
 
@@ -204,13 +225,19 @@ def _model():
 def test_invariants_hold_on_torch_fsdp2_and_the_reference(reports):
     for rank, got in enumerate(reports):
         check_monitor(got["fsdp2"], _model(), WORLD_SIZE, f"rank {rank} torch FSDP2", layout="per_param")
-        for name in ("reference", "reference, prefetch flipped off", "reference, mixed precision"):
+        for name in ("reference", "reference, prefetch flipped off", "reference, mixed precision",
+                     "reference, reshard_after_forward flipped"):
             check_monitor(got[name], _model(), WORLD_SIZE, f"rank {rank} {name}")
 
 
 INVARIANTS = ["unsharded-bound", "reductions-in-flight", "handles-waited", "forward-gathers", "backward-gathers",
               "reduce-scatters", "freed-after-backward", "no-full-copies", "dtypes-and-devices", "forward-prefetch",
               "backward-prefetch", "no-early-gathers", "reductions-overlap"]
+
+
+def test_a_switch_read_once_fails(reports):
+    with pytest.raises(AssertionError, match="invariant backward-gathers:.*iteration 1"):
+        check_monitor(reports[0]["backward-gathers, reshard_after_forward read once"], _model(), WORLD_SIZE, "rank 0")
 
 
 def test_torch_fsdp2_without_forward_prefetch_fails_forward_prefetch(reports):
