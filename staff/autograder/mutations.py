@@ -332,7 +332,8 @@ MUTANTS: list[Mutant] = [
            "learns the forward order once and never again: a changed order prefetches the wrong units",
            "", "test_prefetch_follows_a_changed_order_and_frees_units_that_never_run"),
     Mutant("g17", 6, "    def pre_backward(self, unit: FSDPUnit) -> None:\n"
-                     "        \"\"\"Task 4's ``pre_backward``, then, with prefetching on, ``prefetch_backward(unit)``.\"\"\"\n"
+                     "        \"\"\"Task 4's ``pre_backward``, then, with prefetching on (only then), ``prefetch_backward(unit)``: the\n"
+                     "        next unit's all-gather is issued before this unit's backward computation starts.\"\"\"\n"
                      "        super().pre_backward(unit)\n",
            "    def post_backward(self, unit: FSDPUnit) -> None:\n"
            "        super().post_backward(unit)\n",
