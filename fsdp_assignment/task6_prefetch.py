@@ -14,6 +14,13 @@ an activation-checkpointing recomputation too; each unit is all-gathered exactly
 per backward if it was resharded after forward (a prefetched unit waits on its own handle and uses that
 gather, it never gathers again); an all-gather in flight is always waited on before its buffer is used or
 freed; every asynchronous reduce-scatter has landed in ``shard.grad`` when ``loss.backward()`` returns.
+
+Prefetching is checked to happen, not only to stay within bounds (from the order in which a test's counted
+collectives are issued relative to every module's forward and backward): with it on, the next unit's all-gather
+is issued before the current unit's forward ends (once a forward has recorded the order) and before the current
+unit's backward computation ends, and each reduce-scatter is still in flight when the backward reaches the next
+unit; with it off, no unit is all-gathered before its own pre-forward or pre-backward. ``set_prefetch`` between
+two iterations is in effect in the very next one.
 """
 # This file is generated from the staff reference by staff/make_stubs.py: the signatures and
 # docstrings are the specification. Replace each `raise NotImplementedError` with your code; you may
@@ -34,7 +41,10 @@ def set_prefetch(module: nn.Module, enabled: bool) -> None:
     tree of units rooted at ``module`` (the root unit's module), by setting ``shared.prefetch``. Off by
     default. Before the tree's first forward there is no ``SharedState`` yet: create it with
     ``init_shared_state`` (provided), as Task 7's lazy init would; raise ``ValueError`` when ``module`` is
-    not a unit's module."""
+    not a unit's module. It may be called between any two iterations, and takes effect in the very next
+    one: backward prefetch and asynchronous reduce-scatters at once, forward prefetch once a forward with
+    prefetching on has recorded the order; switched off, nothing is gathered ahead any more (no backward
+    prefetch by an order recorded earlier) and reduce-scatters are synchronous again."""
     raise NotImplementedError("Task 6: implement set_prefetch() in fsdp_assignment/task6_prefetch.py (see its docstring)")
 
 
@@ -72,14 +82,18 @@ class PrefetchHooks(BackwardHooks):
         raise NotImplementedError("Task 6: implement PrefetchHooks.pre_forward() in fsdp_assignment/task6_prefetch.py (see its docstring)")
 
     def pre_backward(self, unit: FSDPUnit) -> None:
-        """Task 4's ``pre_backward``, then, with prefetching on, ``prefetch_backward(unit)``."""
+        """Task 4's ``pre_backward``, then, with prefetching on (only then), ``prefetch_backward(unit)``: the
+        next unit's all-gather is issued before this unit's backward computation starts."""
         raise NotImplementedError("Task 6: implement PrefetchHooks.pre_backward() in fsdp_assignment/task6_prefetch.py (see its docstring)")
 
     def reduce_scatter(self, unit: FSDPUnit, flat_param: FlatParameter, grad: torch.Tensor) -> None:
         """With prefetching on: issue the reduce-scatter asynchronously and append ``(work, flat_param,
         grad_shard, grad)`` to ``shared.pending_reduce_scatters`` (``grad`` stays referenced until the
         collective has read it); then finish the older ones (wait, ``accumulate_shard_grad``) so that at
-        most one is in flight. Off: Task 4's synchronous ``reduce_scatter``."""
+        most one is in flight. The new one is not waited on here: it overlaps the next unit's backward and is
+        finished when the next one is issued or in ``wait_for_reductions`` (waiting at once overlaps nothing;
+        a test checks that it is still in flight when the backward reaches the next unit). Off: Task 4's
+        synchronous ``reduce_scatter``."""
         raise NotImplementedError("Task 6: implement PrefetchHooks.reduce_scatter() in fsdp_assignment/task6_prefetch.py (see its docstring)")
 
     def wait_for_reductions(self, shared: SharedState) -> None:

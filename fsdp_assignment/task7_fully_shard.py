@@ -82,7 +82,10 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     ``support.state.fsdp_units`` and ``named_flat_params`` (and what the tests read to find a unit), so use
     exactly this name. Registers, in this order, a forward pre-hook that calls ``lazy_init`` at the first
     forward, then ``PrefetchHooks().register(unit)`` (with HSDP, a subclass that adds the all-reduce across
-    replicas).
+    replicas): Task 6's hooks, not Task 4's, so that ``set_prefetch`` works on ``fully_shard``'s units (the
+    tests check that prefetching happens on this path). The switches are read where they are used, never
+    cached: ``set_prefetch``, ``set_requires_gradient_sync`` and each unit's ``unit.reshard_after_forward``
+    may be changed between two iterations and are in effect in the very next one.
 
     Bonus keywords (see the module docstring): ``mesh``, a 1-D or 2-D ``DeviceMesh`` (None: the default
     group); with a 2-D mesh ``(R, S)`` the FlatParameters are built for the rank's place in its shard group

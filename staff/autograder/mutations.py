@@ -332,7 +332,8 @@ MUTANTS: list[Mutant] = [
            "learns the forward order once and never again: a changed order prefetches the wrong units",
            "", "test_prefetch_follows_a_changed_order_and_frees_units_that_never_run"),
     Mutant("g17", 6, "    def pre_backward(self, unit: FSDPUnit) -> None:\n"
-                     "        \"\"\"Task 4's ``pre_backward``, then, with prefetching on, ``prefetch_backward(unit)``.\"\"\"\n"
+                     "        \"\"\"Task 4's ``pre_backward``, then, with prefetching on (only then), ``prefetch_backward(unit)``: the\n"
+                     "        next unit's all-gather is issued before this unit's backward computation starts.\"\"\"\n"
                      "        super().pre_backward(unit)\n",
            "    def post_backward(self, unit: FSDPUnit) -> None:\n"
            "        super().post_backward(unit)\n",
@@ -509,6 +510,26 @@ MUTANTS += [
 ]
 
 
+# ---- A feature that silently switches off (issue 25; ids m50..m59): each is killed by a required test through the
+# monitor's order invariants (forward-prefetch, backward-prefetch, no-early-gathers, reductions-overlap) on
+# fully_shard's path, where set_prefetch is flipped between micro-batches.
+MUTANTS += [
+    Mutant("m50", 7, "    (PrefetchHooks() if replicate_group is None else _HybridHooks()).register(unit)",
+           "    from .task4_backward import BackwardHooks\n"
+           "    (BackwardHooks() if replicate_group is None else _HybridHooks()).register(unit)",
+           "fully_shard registers Task 4's hooks instead of Task 6's: set_prefetch does nothing"),
+    Mutant("m51", 6, "        while len(shared.pending_reduce_scatters) > 1:\n            _finish_reduce_scatter(",
+           "        while shared.pending_reduce_scatters:\n            _finish_reduce_scatter(",
+           "each asynchronous reduce-scatter is waited on right after it is issued: nothing overlaps"),
+    Mutant("m52", 6, "        init_shared_state(units[0])\n    units[0].shared.prefetch = enabled",
+           "        init_shared_state(units[0])\n        units[0].shared.prefetch = enabled",
+           "set_prefetch takes effect only before the first forward (it sets the flag only when it creates the "
+           "shared state)"),
+    Mutant("m53", 6, "        super().pre_backward(unit)\n        if unit.shared.prefetch:\n            prefetch_backward(unit)\n",
+           "        super().pre_backward(unit)\n        prefetch_backward(unit)\n",
+           "backward prefetching runs while prefetching is off (by the order the last forward with it on recorded)"),
+]
+
 # ---- what kind of bug each mutant seeds --------------------------------------------------------------------
 # The report groups mutants per task and per kind, so that it says which kinds of bug the suite is shown to
 # catch for each task (and which kinds no mutant probes yet). Every mutant has exactly one kind.
@@ -553,6 +574,8 @@ KIND_OF: dict[str, str] = {
     "m60": "lifecycle", "m61": "memory", "m62": "lifecycle", "m63": "state", "m64": "precision",
     "m65": "checkpoint", "m66": "ownership", "m67": "state", "m68": "lifecycle",
 }
+
+KIND_OF.update({"m50": "waste", "m51": "async", "m52": "waste", "m53": "waste"})  # issue 25 (helper inv)
 
 
 def kind_of(mutant: Mutant) -> str:

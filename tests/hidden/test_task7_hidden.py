@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from fsdp_assignment.support.models import GPT, gpt_batch, gpt_loss
 from tests.harness import run_ranks
+from tests.public.invariants import check_monitor
 from tests.public.common import (
     assert_close, check_flat_params, expected_shard, full_params_of, train_single_process, unit_numels,
 )
@@ -113,6 +114,10 @@ def test_gradient_accumulation_over_two_steps_with_prefetch():
             gpt_loss(model, idx, tgt).backward()
         optim.step()
     for rank, got in enumerate(results):
+        # Every invariant in every micro-batch, with the switches of that micro-batch: prefetching on throughout
+        # (it must happen: forward and backward prefetch, reduce-scatters overlapping), gradient sync and each
+        # unit's reshard_after_forward flipped between micro-batches (in effect in the very next one).
+        check_monitor(got["monitor"], GPT(CFG), world_size, f"rank {rank}")
         assert got["early"] == [], (f"rank {rank}: gradients communicated during backward passes without gradient "
                                     f"sync (step, micro-batch, collective): {got['early']}; with "
                                     f"set_requires_gradient_sync(False) no reduction of any kind may run")

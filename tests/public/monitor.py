@@ -35,7 +35,12 @@ collectives counted by ``collectives.py``, weak references it took itself):
   before sharding) are still alive with their storage, the elements and dtypes of ``module.parameters()``, the
   dtypes of their gradients and the dtypes and devices of every buffer;
 * **switches**: what the test set before each iteration (``mon.setting(...)``), so that the parent checks
-  each iteration against the switches in force *then*, not only before the first iteration.
+  each iteration against the switches in force *then*, not only before the first iteration;
+* **the order of events** (on counted collectives): at each of those moments, which kind of moment it was
+  (``pre``/``post`` forward, ``grad`` in backward) at which module, how many collectives this iteration had
+  issued by then, and which of its reduce-scatters were in flight. With the collectives' own issue order this
+  says whether a unit was gathered ahead of its own hooks (prefetch) and whether a reduce-scatter overlapped
+  the next unit's backward. Deterministic under gloo: it is the order of the rank's own calls.
 """
 
 from __future__ import annotations
@@ -113,12 +118,16 @@ class Monitor:
                     break
         return out
 
-    def _sample(self, moment: str) -> None:
+    def _sample(self, moment: str, kind: str = "", name: str = "") -> None:
         if self._it is not None:
             self._it["samples"].append((moment, self.unsharded_units()))
             if self.log is not None:  # reduce-scatters of this iteration issued and not yet waited on
-                n = sum(c["kind"] == "reduce_scatter" for c in self.log.unwaited(self._it["mark"]))
-                self._it["max_reductions_in_flight"] = max(self._it.get("max_reductions_in_flight", 0), n)
+                mark = self._it["mark"]
+                inflight = [c["index"] - mark for c in self.log.unwaited(mark) if c["kind"] == "reduce_scatter"]
+                self._it["max_reductions_in_flight"] = max(self._it.get("max_reductions_in_flight", 0),
+                                                           len(inflight))
+                # (kind, module, collectives issued so far in this iteration, reduce-scatters in flight)
+                self._it["trace"].append((kind, name, self.log.mark() - mark, inflight))
 
     def _state(self, moment: str) -> dict:
         alive = []
@@ -156,21 +165,21 @@ class Monitor:
         if name is None:
             return
         if name == "" and self._depth == 0:  # the root's forward: a new iteration
-            self._it = {"settings": dict(self.settings), "samples": [],
+            self._it = {"settings": dict(self.settings), "samples": [], "trace": [],
                         "mark": self.log.mark() if self.log is not None else 0}
             self.iterations.append(self._it)
         self._depth += name == ""
-        self._sample(f"before forward of '{name or '<root>'}'")
+        self._sample(f"before forward of '{name or '<root>'}'", "pre", name)
 
     def _post(self, module, args, output):
         name = self._name(module)
         if name is None or self._it is None:
             return
-        self._sample(f"after forward of '{name or '<root>'}'")
+        self._sample(f"after forward of '{name or '<root>'}'", "post", name)
         label = f"backward boundary at the output of '{name or '<root>'}'"
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda g, label=label: self._sample(label))
+                t.register_hook(lambda g, label=label, name=name: self._sample(label, "grad", name))
         if name == "":
             self._depth -= 1
             if self._depth == 0 and self.log is not None:

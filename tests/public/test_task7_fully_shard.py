@@ -270,6 +270,13 @@ def test_mixed_precision_matches_torch_fsdp2():
             assert_close(got["ours"]["params"][name], p, f"rank {rank}: {name} after a bf16 step vs FSDP2", rtol=2e-3)
 
 
+# set_prefetch flipped between micro-batches (it changes no number): each switch must be in effect in the very
+# next iteration, on fully_shard's path (the monitor's order invariants: prefetch-forward, backward-prefetch,
+# reductions-overlap when on, no-early-gathers when off). On, on, off: prefetching must stop; off, on, on: it must
+# start after the first forward, and overlap the synced micro-batch's reduce-scatters.
+PREFETCH = {True: [True, True, False], False: [False, True, True]}
+
+
 def _accumulate(rank, world_size, sync_every_micro_batch):
     log = use_counted_collectives(late=True)  # every collective, however it is called
     torch.manual_seed(0)
@@ -281,7 +288,9 @@ def _accumulate(rank, world_size, sync_every_micro_batch):
     for micro in range(3):
         last = micro == 2
         adapters.set_requires_gradient_sync(model, sync_every_micro_batch or last)
-        mon.setting(requires_gradient_sync=sync_every_micro_batch or last)
+        adapters.set_prefetch(model, PREFETCH[sync_every_micro_batch][micro])
+        mon.setting(requires_gradient_sync=sync_every_micro_batch or last,
+                    prefetch=PREFETCH[sync_every_micro_batch][micro])
         idx, tgt = local_batch(CFG, rank, world_size, micro)
         before = log.mark()
         mon.backward(gpt_loss(model, idx, tgt))

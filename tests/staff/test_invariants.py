@@ -33,7 +33,7 @@ def _patched(obj, name, value):
 
 
 def _run(rank, world_size, log, *, impl="ours", steps=2, raf=True, schedule=None, after_shard=None,
-         mixed_precision=None):
+         mixed_precision=None, forward_prefetch=True):
     """Train GPT ``steps`` steps under the monitor. ``schedule(step, model, mon)`` flips switches before a step."""
     import adapters
     from tests.public.common import local_batch
@@ -46,6 +46,9 @@ def _run(rank, world_size, log, *, impl="ours", steps=2, raf=True, schedule=None
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
+        # FSDP2 prefetches in backward by default; in forward only where told (explicit forward prefetch)
+        for block, following in zip(model.blocks, model.blocks[1:]):
+            block.set_modules_to_forward_prefetch([following] if forward_prefetch else [])
     else:
         for block in model.blocks:
             adapters.fully_shard(block, reshard_after_forward=raf, mixed_precision=mixed_precision)
@@ -73,13 +76,19 @@ def _variants(rank, world_size):
                                            task6_prefetch as t6, task7_fully_shard as t7)
     from tests.public.collectives import use_counted_collectives
     log = use_counted_collectives(late=True)
-    out = {"fsdp2": _run(rank, world_size, log, impl="fsdp2"), "reference": _run(rank, world_size, log)}
+    out = {"fsdp2": _run(rank, world_size, log, impl="fsdp2"), "reference": _run(rank, world_size, log),
+           # the order invariants are no formality on FSDP2 either: without its forward prefetch it fails one
+           "fsdp2 without forward prefetch": _run(rank, world_size, log, impl="fsdp2", forward_prefetch=False)}
 
     def prefetch_on_then_off(step, model, mon):
         adapters.set_prefetch(model, step == 0)
         mon.setting(prefetch=step == 0)
 
-    out["reference, prefetch flipped off"] = _run(rank, world_size, log, schedule=prefetch_on_then_off)
+    def prefetch_on_on_off(step, model, mon):  # forward prefetch needs the order its previous forward recorded
+        adapters.set_prefetch(model, step < 2)
+        mon.setting(prefetch=step < 2)
+
+    out["reference, prefetch flipped off"] = _run(rank, world_size, log, steps=3, schedule=prefetch_on_on_off)
     # unsharded-bound: prefetching that stays on once it has been on (the switch is read once).
     real_set_prefetch = t6.set_prefetch
 
@@ -152,6 +161,54 @@ def _variants(rank, world_size):
                 fp.shard.data = fp.shard.data.to(torch.bfloat16)
     out["reference, mixed precision"] = _run(rank, world_size, log, steps=1, mixed_precision=policy)
     out["dtypes-and-devices"] = _run(rank, world_size, log, steps=1, mixed_precision=policy, after_shard=bf16_shards)
+    # forward-prefetch: prefetching on, but nothing prefetched in forward.
+    with _patched(t6, "prefetch_forward", lambda unit: None):
+        out["forward-prefetch"] = _run(rank, world_size, log, schedule=prefetch_on)
+    # backward-prefetch: the next unit is gathered only in its own pre-backward (no prefetch in backward).
+    with _patched(t6, "prefetch_backward", lambda unit: None):
+        out["backward-prefetch"] = _run(rank, world_size, log, steps=1, schedule=prefetch_on)
+    # no-early-gathers: with prefetching off, the next unit is gathered in this unit's post-forward (right after
+    # this one is resharded, so never two unsharded at once: the bound alone does not see it).
+    real_post_forward = t6.PrefetchHooks.post_forward
+
+    def gathering_post_forward(self, unit, output):
+        output = real_post_forward(self, unit, output)
+        order = unit.shared.forward_order
+        if not unit.shared.prefetch and not unit.is_root and unit in order:
+            i = order.index(unit)
+            if i + 1 < len(order):
+                t6._issue_unshard(order[i + 1])
+        return output
+    with _patched(t6.PrefetchHooks, "post_forward", gathering_post_forward):
+        out["no-early-gathers"] = _run(rank, world_size, log, steps=3, schedule=prefetch_on_on_off)
+    # reductions-overlap: each asynchronous reduce-scatter waited on right after it is issued.
+
+    def waiting_reduce_scatter(self, unit, flat_param, grad):
+        real_reduce_scatter(self, unit, flat_param, grad)
+        self.wait_for_reductions(unit.shared)
+    with _patched(t6.PrefetchHooks, "reduce_scatter", waiting_reduce_scatter):
+        out["reductions-overlap"] = _run(rank, world_size, log, steps=1, schedule=prefetch_on)
+    # A switch flipped between iterations is in effect in the very next one: reshard_after_forward flipped on every
+    # unit (the reference passes), and an implementation that reads it once, at a unit's first forward (fails
+    # backward-gathers: it still reshards, so backward gathers again).
+    def reshard_then_keep(step, model, mon):
+        for unit in adapters.fsdp_units(model):
+            unit.reshard_after_forward = step == 0
+        mon.setting(reshard_after_forward=step == 0, prefetch=True)
+        adapters.set_prefetch(model, True)
+    out["reference, reshard_after_forward flipped"] = _run(rank, world_size, log, schedule=reshard_then_keep)
+    first_seen = {}
+
+    def caching_post_forward(self, unit, output):
+        now = unit.reshard_after_forward
+        unit.reshard_after_forward = first_seen.setdefault(id(unit), now)
+        try:
+            return real_post_forward(self, unit, output)
+        finally:
+            unit.reshard_after_forward = now
+    with _patched(t6.PrefetchHooks, "post_forward", caching_post_forward):
+        out["backward-gathers, reshard_after_forward read once"] = _run(rank, world_size, log,
+                                                                         schedule=reshard_then_keep)
     return out
 
 
@@ -168,12 +225,24 @@ def _model():
 def test_invariants_hold_on_torch_fsdp2_and_the_reference(reports):
     for rank, got in enumerate(reports):
         check_monitor(got["fsdp2"], _model(), WORLD_SIZE, f"rank {rank} torch FSDP2", layout="per_param")
-        for name in ("reference", "reference, prefetch flipped off", "reference, mixed precision"):
+        for name in ("reference", "reference, prefetch flipped off", "reference, mixed precision",
+                     "reference, reshard_after_forward flipped"):
             check_monitor(got[name], _model(), WORLD_SIZE, f"rank {rank} {name}")
 
 
 INVARIANTS = ["unsharded-bound", "reductions-in-flight", "handles-waited", "forward-gathers", "backward-gathers",
-              "reduce-scatters", "freed-after-backward", "no-full-copies", "dtypes-and-devices"]
+              "reduce-scatters", "freed-after-backward", "no-full-copies", "dtypes-and-devices", "forward-prefetch",
+              "backward-prefetch", "no-early-gathers", "reductions-overlap"]
+
+
+def test_a_switch_read_once_fails(reports):
+    with pytest.raises(AssertionError, match="invariant backward-gathers:.*iteration 1"):
+        check_monitor(reports[0]["backward-gathers, reshard_after_forward read once"], _model(), WORLD_SIZE, "rank 0")
+
+
+def test_torch_fsdp2_without_forward_prefetch_fails_forward_prefetch(reports):
+    with pytest.raises(AssertionError, match="invariant forward-prefetch:"):
+        check_monitor(reports[0]["fsdp2 without forward prefetch"], _model(), WORLD_SIZE, "rank 0", layout="per_param")
 
 
 @pytest.mark.parametrize("invariant", INVARIANTS)

@@ -140,10 +140,19 @@ def _mixed_precision(rank, world_size):
     return out
 
 
+GPT_UNITS = [f"blocks.{i}." for i in range(CFG.n_layer)] + [""]
+# reshard_after_forward per iteration, flipped on every unit between micro-batches: in effect in the very next one
+RESHARD = [True, False, False, True]
+
+
 def _accumulate(rank, world_size, steps, micro_batches):
+    from tests.public.monitor import Monitor
     log = use_counted_collectives(late=True)  # every collective, however it is called
     torch.manual_seed(0)
-    model = _shard_gpt(GPT(CFG))
+    model = GPT(CFG)
+    mon = Monitor(model, GPT_UNITS, log)  # the invariant monitor, checked in the parent
+    _shard_gpt(model)
+    mon.attach()
     adapters.set_prefetch(model, True)
     optim = adapters.get_sharded_optimizer(model, torch.optim.SGD, **SGD)
     early = []
@@ -152,15 +161,20 @@ def _accumulate(rank, world_size, steps, micro_batches):
         for micro in range(micro_batches):
             sync = micro == micro_batches - 1
             adapters.set_requires_gradient_sync(model, sync)
+            raf = RESHARD[(step * micro_batches + micro) % len(RESHARD)]
+            for unit in adapters.fsdp_units(model):
+                unit.reshard_after_forward = raf
+            mon.setting(prefetch=True, requires_gradient_sync=sync, reshard_after_forward=raf)
             idx, tgt = local_batch(CFG, rank, world_size, step * micro_batches + micro)
             before = log.mark()
-            gpt_loss(model, idx, tgt).backward()
+            mon.backward(gpt_loss(model, idx, tgt))
             if not sync:
                 # Re-gathering parameters is expected; communicating gradients is not.
                 early += [(step, micro, c["kind"]) for c in log.since(before)
                           if c["kind"] not in ("all_gather", "barrier")]
         optim.step()
-    return {"params": adapters.gather_full_params(model), "early": early}
+        mon.after_step()
+    return {"params": adapters.gather_full_params(model), "early": early, "monitor": mon.report()}
 
 
 def _no_reshard(rank, world_size):
