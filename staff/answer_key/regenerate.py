@@ -100,20 +100,6 @@ def sources_fingerprint(root: Path = ROOT) -> str:
     return h.hexdigest()
 
 
-def sources_fingerprint(root: Path = ROOT) -> str:
-    """SHA-256 over the code of the files that determine the results (see the module docstring)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for pattern in FINGERPRINTED:
-        for path in sorted(root.glob(pattern)):
-            if path.relative_to(root).as_posix() in NOT_FINGERPRINTED:
-                continue
-            h.update(path.relative_to(root).as_posix().encode() + b"\0")
-            h.update(_code_only(path.read_text(encoding="utf-8")).encode() + b"\0")
-    return h.hexdigest()
-
-
 def run_benchmarks(out: Path, full: bool) -> dict:
     """Run the reference's benchmarks into a temporary folder and keep their JSON and tables in ``out`` with a
     run.json record: machine, load before and after, command, seconds, the fingerprint of the code that made them."""
