@@ -199,7 +199,10 @@ def grade(mutant: MachineMutant | None, mutated: str | None, workdir: Path, test
         order = ["--grade-first-task", str(next(k for k, v in TASK_FILES.items() if v == mutant.file))]
     name = mutant.id.replace(":", "_").replace(".py", "") if mutant else "control"
     selection = mutant_grading.select_args([t.split("::", 1)[1] for t, _ in tests])
-    v = mutant_grading.grade_mutant(files, workdir, name, [*selection, *order])
+    # the run's own limit (its budget: 60 s less) as before, 15 x the tests' time + 120 s, at least the default:
+    # a loaded machine must not cut the control's many tests (each test's own limit still catches a hang)
+    v = mutant_grading.grade_mutant(files, workdir, name, [*selection, *order],
+                                    timeout=max(600.0, 15 * sum(s for _, s in tests) + 120))
     return {"killed": v.killed, "passed": not v.killed and v.tests > 0 and v.detail.startswith("all "),
             "killer": v.killer, "tests": v.tests, "seconds": round(v.seconds, 1), "tail": v.detail[-600:]}
 
