@@ -21,7 +21,9 @@ each benchmark).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -61,8 +63,27 @@ def route(p: argparse.ArgumentParser, names: list[str], rest: list[str]) -> dict
     return per
 
 
+def passed_on() -> str:
+    """--help's list of the flags run_all passes on, each with the benchmarks that take it."""
+    takers: dict[str, list[str]] = {}
+    helps: dict[str, str] = {}
+    for name, bench in BENCHMARKS.items():
+        for action in bench.parser()._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag not in ("--help", "--quick", "--out"):
+                    takers.setdefault(flag, []).append(name)
+                    helps.setdefault(flag, textwrap.shorten(re.sub(r"%\(\w+\)s|%", "", action.help or "").split(";")[0],
+                                                           64, placeholder=" ..."))
+    lines = ["flags passed on to the benchmarks that have them (each benchmark's own --help has the details):"]
+    for flag in sorted(takers):
+        who = "all" if len(takers[flag]) == len(BENCHMARKS) else ", ".join(takers[flag])
+        lines.append(f"  {flag:<22} [{who}] {helps[flag]}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="run_all.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="run_all.py", description=__doc__.split("\n\n")[0], epilog=passed_on(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=DEFAULT)
     p.add_argument("--quick", action="store_true",
                    help="each benchmark's tiny preset: a smoke run, written to <out>/quick/ and labelled 'quick'")

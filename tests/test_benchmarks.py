@@ -158,6 +158,35 @@ def test_bad_flags_fail_at_once_before_torch_and_lose_nothing(tmp_path):
     assert (tmp_path / "step.md").read_text() == "an earlier result\n"
 
 
+MISSING_MATPLOTLIB = r"""
+import importlib.util, json, sys
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name == "matplotlib" else real(name, *a)
+from benchmarks import run_all
+try:
+    run_all.main(["--quick", "--only", "memory", "step", "--out", sys.argv[1]])
+except SystemExit as exc:
+    print(json.dumps({"code": exc.code, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_a_missing_plotting_package_stops_the_run_at_once_with_the_install_line(tmp_path):
+    """matplotlib missing: run_all (and each plotting benchmark) stops before anything runs, with the install
+    line, instead of tracing back after the whole sweep; and run_all --help lists the flags it passes on."""
+    proc = subprocess.run([sys.executable, "-c", MISSING_MATPLOTLIB, str(tmp_path / "out")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got == {"code": 2, "torch": False}, proc.stdout + proc.stderr
+    assert 'pip install -e ".[bench]"' in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert not (tmp_path / "out").exists()
+    proc = subprocess.run([sys.executable, "benchmarks/run_all.py", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    listed = proc.stdout.split("flags passed on", 1)[-1]
+    for flag in ("--world-sizes", "--launcher", "--sim-bandwidth", "--slurm-nodes", "--collect"):
+        assert f"  {flag} " in listed, proc.stdout
+
+
 SCRIPTS = {"run_all", "bench_comm", "bench_memory", "bench_step", "bench_scaling", "gpt2_small", "train_gpt", "gpu_check"}
 
 

@@ -1,13 +1,16 @@
 """The autograder: grading plugin and command, the Gradescope bundle, and their self-tests (staff only).
 
-    grading_plugin.py   pytest plugin: points per test (tests/points.py), per-task score table, Gradescope's
-                        results.json written as the run goes (complete at every moment)
+    grading_plugin.py   pytest plugin: runs each test; its parts: grading_selection.py (which tests, points,
+                        order), grading_limits.py (time limits, budget shares, hang blame), grading_results.py
+                        (Gradescope's results.json written as the run goes, complete at every moment)
     grade.py            the grading command; also Gradescope's entry point (run_autograder calls it)
     build_bundle.py     builds the Gradescope zip: setup.sh, run_autograder, the staff tree with the stubs and
                         the public and hidden tests; refuses to build if any of the reference is inside
     results_schema.py   checks a results.json against Gradescope's format (CI)
     mutations.py        seeded bugs of the reference the suite must kill (CI; never shipped)
-    zoo.py              broken submissions the grader must survive (CI; never shipped)
+    mutant_grading.py   how a mutant is graded and what kills it (mutations.py and machine_mutants.py)
+    zoo.py              broken submissions the grader must survive (CI; never shipped; zoo_forgeries.py,
+                        zoo_hangs.py)
 
 Grade this tree's task files (what CI and staff use):
 

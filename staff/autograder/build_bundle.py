@@ -56,6 +56,9 @@ BUNDLE_GLOBS = (
     "tests/hidden/scenarios/*.py",
     "staff/autograder/__init__.py",
     "staff/autograder/grading_plugin.py",
+    "staff/autograder/grading_selection.py",  # the plugin's parts (grading_plugin.py imports them)
+    "staff/autograder/grading_limits.py",
+    "staff/autograder/grading_results.py",
     "staff/autograder/grade.py",
     "staff/autograder/student_limits.py",  # the per-student memory watch the grading plugin runs
     "staff/autograder/test_times.json",  # per-test time limits and the calls that decide hang probes (grading_plugin.py)

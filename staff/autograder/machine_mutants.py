@@ -8,12 +8,13 @@ reference task files, each graded only by the tests that call the mutated functi
 
 cosmic-ray enumerates the mutations (its ``core/*`` operators: replaced binary, comparison and unary
 operators, ``and``/``or``, ``True``/``False``, numbers, ``break``/``continue``, a loop that runs zero times,
-removed decorators, ...) and applies one at a time to the reference's source. Each mutant becomes the student
-files of a fresh grading tree (the bundle's, as ``mutations.py`` does) and is graded by the tests that
-``test_times.json`` says call the function the mutation sits in (innermost ``def``), cheapest first, stopping
-at the first failure: a failing test, an error or a hang (limit: 15 x the tests' measured time + 60 s) kills
-it. A mutant in code no graded test calls is reported as such ("uncalled"). Survivors are listed in the report
-with the one-line reason they are equivalent (``EQUIVALENT`` below), or as survivors to kill.
+removed decorators, ...) and applies one at a time to the reference's source. Each mutant is graded on the grading
+path the hand-written mutants take (``mutant_grading.py``: the student files of a fresh grading tree, the real
+grading command with ``-x``) by the tests that ``test_times.json`` says call the function the mutation sits in
+(innermost ``def``), the mutated task's first: a failing test or a hang (each test's time limit is the
+grader's, from test_times.json) kills it. A mutant in code no graded test calls is
+reported as such ("uncalled"). Survivors are listed in the report with the one-line reason they are equivalent
+(``EQUIVALENT`` below), or as survivors to kill.
 
 The unmutated reference is graded the same way first (a control): if it fails, no mutant is graded.
 Staff-only, like ``mutations.py``: mutants are pieces of the solution.
@@ -25,10 +26,8 @@ import argparse
 import ast
 import concurrent.futures
 import json
-import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,16 +37,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-import mutations  # noqa: E402  (student_form, reference_student_files, stage_tree)
-
-TIMES = HERE / "test_times.json"
-
-# Graded tests that test_times.json does not list yet (added after its last measurement), with the task functions
-# they call and a rough time; test_times.json's own entry wins once it is regenerated.
-NEW_TESTS: dict[str, dict] = {
-    "tests/hidden/test_task1_mutant_kills.py::test_state_already_off_meta_is_kept":
-        {"seconds": 0.3, "calls": ["task1_meta_init.py:materialize_meta_module"]},
-}
+import mutant_grading  # noqa: E402  (the grading path both mutation systems share)
+from mutant_grading import NEW_TESTS, TASK_FILES, TIMES  # noqa: E402,F401
 
 # Survivors that only a GPU can kill (reported as survivors, with this reason): the CPU-offload bonus keeps a
 # shard on the CPU and gathers into a CUDA buffer; on a CPU-only machine a shard and its buffer share the device.
@@ -122,15 +113,7 @@ class MachineMutant:
     mutated_line: str  # the line after the mutation
 
 
-def _functions_by_line(source: str) -> dict[int, str]:
-    """line -> innermost enclosing function name."""
-    out: dict[int, str] = {}
-    nodes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    for node in sorted(nodes, key=lambda n: n.end_lineno - n.lineno, reverse=True):  # outer first, inner wins
-        first = min([node.lineno] + [d.lineno for d in node.decorator_list])  # a decorator belongs to its def
-        for line in range(first, node.end_lineno + 1):
-            out[line] = node.name
-    return out
+_functions_by_line = mutant_grading.functions_by_line
 
 
 def _annotation_spans(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -164,7 +147,7 @@ def enumerate_mutants(files: list[str] | None = None) -> list[tuple[MachineMutan
     from cosmic_ray.mutating import mutate_code
     from cosmic_ray.plugins import get_operator
     out = []
-    for name in files or list(mutations.TASK_FILES.values()):
+    for name in files or list(TASK_FILES.values()):
         path = ROOT / "fsdp_assignment" / "reference" / name
         source = path.read_text()
         lines = source.splitlines()
@@ -203,34 +186,25 @@ def mutation_of(mutant_id: str) -> tuple[set[str], set[str]] | None:
 
 def tests_calling(mutant: MachineMutant) -> list[tuple[str, float]]:
     """The graded tests that call the mutant's function, cheapest first: (node id, measured seconds)."""
-    data = {**NEW_TESTS, **json.loads(TIMES.read_text())["tests"]}
-    key = f"{mutant.file}:{mutant.function}"
-    return sorted(((t, v["seconds"] or 1.0) for t, v in data.items() if key in v["calls"]), key=lambda x: x[1])
+    return mutant_grading.tests_calling(mutant.file, mutant.function)
 
 
 def grade(mutant: MachineMutant | None, mutated: str | None, workdir: Path, tests: list[tuple[str, float]]) -> dict:
-    """Stage a grading tree with the mutant as the student's file; run ``tests`` with -x. Returns the outcome."""
-    start = time.monotonic()
-    tree = workdir / (mutant.id.replace(":", "_").replace(".py", "") if mutant else "control")
-    files = mutations.reference_student_files()
+    """Grade the mutant (None: the unmutated reference) on ``tests`` (mutant_grading.grade_mutant). Returns the
+    outcome."""
+    files = mutant_grading.reference_student_files()
+    order = []
     if mutant is not None:
-        files[f"fsdp_assignment/{mutant.file}"] = mutations.student_form(mutated)
-    mutations.stage_tree(tree, files)
-    limit = 15 * sum(s for _, s in tests) + 60
-    env = {**os.environ, "FSDP_IMPL": "student", "PYTHONDONTWRITEBYTECODE": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-           *[t for t, _ in tests]]
-    try:
-        proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env, timeout=limit,
-                              start_new_session=True)
-        rc, out = proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as e:
-        rc, out = "hang", (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-    finally:
-        shutil.rmtree(tree, ignore_errors=True)
-    failed = next((line.split(" ")[1] for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))), "")
-    return {"killed": rc != 0, "rc": rc, "killer": failed or ("hang" if rc == "hang" else ""),
-            "tests": len(tests), "seconds": round(time.monotonic() - start, 1), "tail": out[-600:]}
+        files[f"fsdp_assignment/{mutant.file}"] = mutant_grading.student_form(mutated)
+        order = ["--grade-first-task", str(next(k for k, v in TASK_FILES.items() if v == mutant.file))]
+    name = mutant.id.replace(":", "_").replace(".py", "") if mutant else "control"
+    selection = mutant_grading.select_args([t.split("::", 1)[1] for t, _ in tests])
+    # the run's own limit (its budget: 60 s less) as before, 15 x the tests' time + 120 s, at least the default:
+    # a loaded machine must not cut the control's many tests (each test's own limit still catches a hang)
+    v = mutant_grading.grade_mutant(files, workdir, name, [*selection, *order],
+                                    timeout=max(600.0, 15 * sum(s for _, s in tests) + 120))
+    return {"killed": v.killed, "passed": not v.killed and v.tests > 0 and v.detail.startswith("all "),
+            "killer": v.killer, "tests": v.tests, "seconds": round(v.seconds, 1), "tail": v.detail[-600:]}
 
 
 def run(selected: list[tuple[MachineMutant, str]], workers: int, log=print) -> list[dict]:
@@ -239,7 +213,7 @@ def run(selected: list[tuple[MachineMutant, str]], workers: int, log=print) -> l
         # the control: every test any selected mutant would run, on the unmutated reference
         needed = {t: s for m, _ in selected if not m.equivalent for t, s in tests_calling(m)}
         control = grade(None, None, workdir, sorted(needed.items(), key=lambda x: x[1]))
-        if control["killed"]:
+        if not control["passed"]:
             raise RuntimeError(f"the unmutated reference fails its tests here: {control['tail']}")
         log(f"control: {control['tests']} tests pass on the unmutated reference in {control['seconds']} s")
         outcomes = []

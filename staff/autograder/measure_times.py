@@ -3,7 +3,7 @@
     python staff/autograder/measure_times.py              # 3 timed runs + 1 traced run, on a quiet machine
     python staff/autograder/measure_times.py --runs 1     # quicker, noisier
 
-The grading plugin (grading_plugin.py, "Time limits") derives each test's time limit and each task's share of the
+The grading plugin's time limits (grading_limits.py) derive each test's time limit and each task's share of the
 grading budget from these figures, and uses the traced calls to know which later tests call a function that
 already hung (they run as probes, with a shorter limit). Regenerate the file whenever tests are added, renamed or made much slower
 (tests/staff/test_grading_budget.py fails when a graded test is missing from it).

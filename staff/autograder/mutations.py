@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,9 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 KILL_RATE_REQUIRED = 1.0  # every mutant killed (issue 13)
 
-TASK_FILES = {1: "task1_meta_init.py", 2: "task2_flat_param.py", 3: "task3_forward.py",
-              4: "task4_backward.py", 5: "task5_optim_ckpt.py", 6: "task6_prefetch.py",
-              7: "task7_fully_shard.py"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mutant_grading  # noqa: E402  (the grading path both mutation systems share)
+from mutant_grading import TASK_FILES, reference_student_files, stage_tree, student_form  # noqa: E402,F401
 
 
 # The student bugs the autograder issue names: each must be seeded by at least one mutant, and killed.
@@ -583,18 +581,6 @@ def kind_of(mutant: Mutant) -> str:
 
 
 # ---- applying ------------------------------------------------------------------------------------------
-def student_form(text: str) -> str:
-    """A reference task file as it would sit in the students' package (fsdp_assignment/)."""
-    text = re.sub(r"^(\s*)from(\s+)\.\.", r"\1from\2.", text, flags=re.MULTILINE)
-    return text.replace("fsdp_assignment.reference.", "fsdp_assignment.")
-
-
-def reference_student_files(root: Path = ROOT) -> dict[str, str]:
-    """``fsdp_assignment/taskN_*.py`` -> the reference's code in the student layout."""
-    return {f"fsdp_assignment/{name}": student_form((root / "fsdp_assignment" / "reference" / name).read_text())
-            for name in TASK_FILES.values()}
-
-
 def mutated_files(mutant: Mutant, root: Path = ROOT) -> dict[str, str]:
     files = reference_student_files(root)
     rel = f"fsdp_assignment/{TASK_FILES[mutant.task]}"
@@ -615,57 +601,37 @@ class Outcome:
     killer: str          # the first failing test's name ("" when it survived)
     seconds: float
     detail: str = ""     # the killer's output, first lines; or why nothing failed
+    tests: int = 0       # how many tests were graded (all runs together)
 
 
-def stage_tree(dest: Path, files: dict[str, str], root: Path = ROOT) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    try:
-        import build_bundle
-    finally:
-        sys.path.pop(0)
-    build_bundle.stage(dest, root)
-    for rel, text in files.items():
-        (dest / rel).write_text(text)
-
-
-def grade(tree: Path, results: Path, pytest_args: list[str], *, timeout: float = 600, timeout_cap: float = 45,
-          env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(tree / "staff" / "autograder" / "grade.py"), "--results", str(results),
-           "--rank-user", "none", "--timeout", f"{timeout:g}", "--timeout-cap", f"{timeout_cap:g}", "--", *pytest_args]
-    return subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env, timeout=timeout + 120)
-
-
-def first_failure(results: dict) -> dict | None:
-    """The first test, in run order, that ran and failed (not one marked 'not run')."""
-    for t in results.get("tests", []):
-        body = t["output"].split("\n\n", 1)[-1]
-        if t["status"] == "failed" and not body.startswith(("not run", "did not finish")):
-            return t
-    return None
+def tests_for(mutant: Mutant, root: Path = ROOT) -> list[str]:
+    """The names of the graded tests that call a function the mutant edits (test_times.json), its target among them; empty
+    when no traced test calls it (module-level code, a function added since the times were measured)."""
+    name = TASK_FILES[mutant.task]
+    source = reference_student_files(root)[f"fsdp_assignment/{name}"]
+    calling = mutant_grading.tests_calling(name, mutant_grading.functions_edited(source, mutant.old))
+    names = [nodeid.split("::", 1)[1] for nodeid, _ in calling]
+    if names and mutant.target:
+        names.append(mutant.target)  # the target always runs (first), traced calls or not
+    return names
 
 
 def run_mutant(mutant: Mutant, workdir: Path, root: Path = ROOT) -> Outcome:
-    start = time.monotonic()
-    tree = workdir / mutant.id
-    stage_tree(tree, mutated_files(mutant, root), root)
-    results = workdir / f"{mutant.id}.json"
-    args = ["-x", "--grade-first-task", str(mutant.task)]
-    if mutant.target:
-        args += ["--grade-first", mutant.target]
-    proc = grade(tree, results, args)
-    seconds = time.monotonic() - start
-    try:
-        data = json.loads(results.read_text())
-    except (OSError, ValueError):
-        return Outcome(mutant, False, "", seconds, f"no results.json; grader output:\n{proc.stdout[-2000:]}")
-    failed = first_failure(data)
-    shutil.rmtree(tree, ignore_errors=True)
-    if not data.get("tests"):
-        raise RuntimeError(f"{mutant.id}: the grading run graded no test; grader output:\n{proc.stdout[-3000:]}")
-    if failed is None:
-        return Outcome(mutant, False, "", seconds, f"all {len(data['tests'])} tests passed")
-    body = failed["output"].split("\n\n", 2)[-1]
-    return Outcome(mutant, True, failed["name"], seconds, body[:400])
+    """Grade with -x, the mutated task's tests first and its target first of all: first only the tests that call
+    the function it edits, then, if it survived those (or no traced test calls it), the whole suite, as before
+    that selection: a survivor is always one of the whole suite."""
+    files = mutated_files(mutant, root)
+    order = ["--grade-first-task", str(mutant.task)] + (["--grade-first", mutant.target] if mutant.target else [])
+    seconds = graded = 0
+    calling = tests_for(mutant, root)
+    for run, selection in (("calling", mutant_grading.select_args(calling) if calling else None), ("all", [])):
+        if selection is None:
+            continue
+        v = mutant_grading.grade_mutant(files, workdir, f"{mutant.id}-{run}", [*selection, *order], root=root)
+        seconds, graded = seconds + v.seconds, graded + v.tests
+        if v.killed:
+            return Outcome(mutant, True, v.killer, seconds, v.detail, graded)
+    return Outcome(mutant, False, "", seconds, v.detail, graded)
 
 
 def run_all(mutants: list[Mutant], workers: int = 2, root: Path = ROOT, log=print) -> list[Outcome]:

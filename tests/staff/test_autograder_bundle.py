@@ -5,9 +5,10 @@ into a fresh directory laid out like Gradescope's /autograder (source/, submissi
 set up with setup.sh (its install step skipped: this machine's torch is used, nothing is downloaded), and then
 run_autograder grades two submissions:
 
-- the reference's task files in the students' layout, zipped the way make_submission.sh does, next to a hostile
-  conftest.py, pytest.ini and pyproject.toml that must be ignored -> full marks, every graded test passed (the
-  run's time is printed, not asserted: about 45 s quiet on 2 cores, several minutes at load 10);
+- the reference's task files, zipped by the release's make_submission.sh, next to a hostile conftest.py,
+  pytest.ini and pyproject.toml that must be ignored -> full marks, every graded test passed (this run is
+  tests/staff/conftest.py's ``graded_reference``, shared with the image and release checks; its time is printed,
+  not asserted);
 - the stubs, uploaded as loose files, one missing -> 0 points; every test says which task and function to
   implement, and the output says which file was missing;
 - a broken submission (two zoo cases: a collective only rank 0 calls, and a results.json forged at the
@@ -39,17 +40,9 @@ import mutations  # noqa: E402
 import results_schema  # noqa: E402
 import zoo  # noqa: E402
 
+HOSTILE_FILES = ("conftest.py", "tests/conftest.py", "pytest.ini", "pyproject.toml")  # tests/staff/conftest.py's
+
 pytestmark = [pytest.mark.staff, pytest.mark.timeout(2400)]
-
-HOSTILE_CONFTEST = """
-import pytest
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    outcome.get_result().outcome = "passed"   # a submission must never get to run this
-"""
-
 
 def _points():
     import importlib.util
@@ -130,13 +123,13 @@ def _grade(root: Path, files: dict[str, bytes], *args: str, env_extra: dict | No
 
 
 @pytest.mark.slow
-def test_reference_gets_full_marks(autograder):
-    files = {rel: text.encode() for rel, text in mutations.reference_student_files().items()}
-    files.update({"WRITEUP.md": b"# writeup\n", "benchmarks/results/memory.json": b"{}",
-                  "conftest.py": HOSTILE_CONFTEST.encode(), "tests/conftest.py": HOSTILE_CONFTEST.encode(),
-                  "pytest.ini": b"[pytest]\naddopts = -p no:terminal\n",
-                  "pyproject.toml": b"[tool.pytest.ini_options]\naddopts = '--collect-only'\n"})
-    data, seconds, _ = _grade(autograder, files)
+def test_reference_gets_full_marks(graded_reference):
+    """The reference's task files, zipped by the release's make_submission.sh, next to a hostile conftest.py,
+    pytest.ini and pyproject.toml: full marks, every graded test passed, none cut by a limit. The grading run is
+    tests/staff/conftest.py's ``graded_reference`` (one per test run, through the bundle's run_autograder)."""
+    assert set(HOSTILE_FILES) <= set(graded_reference.submitted), graded_reference.submitted
+    data = graded_reference.data
+    assert results_schema.validate(data) == [], results_schema.validate(data)
     failed = [t["name"] + "\n" + t["output"][:1500] for t in data["tests"] if t["status"] != "passed"]
     assert not failed, "\n\n".join(failed)
     assert data["score"] == pytest.approx(_points().total_points(), abs=0.01)
@@ -147,7 +140,7 @@ def test_reference_gets_full_marks(autograder):
     bonus = data.get("extra_data", {}).get("bonus", {})  # graded apart from the score (tests/points.py)
     assert bonus.get("score") == pytest.approx(_points().BONUS_POINTS, abs=0.01), bonus
     print(f"\nwhole grading run (public + hidden, {len(data['tests'])} tests) through run_autograder: "
-          f"{seconds:.1f} s wall; pytest's own execution_time {data['execution_time']} s")
+          f"{graded_reference.grade_s:.1f} s wall; pytest's own execution_time {data['execution_time']} s")
     assert "not run" not in json.dumps(data), "no test may be cut by the budget or a time limit"
 
 

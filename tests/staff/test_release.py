@@ -22,7 +22,9 @@ It takes about two runs of the public suite plus ~20 s (about 2 minutes on the 2
 ``test_release_submission_is_graded_by_the_bundle`` closes the loop with the autograder: ``make_submission.sh``
 run inside the release makes a zip; the Gradescope bundle's staff tree (``staff/autograder/build_bundle.py
 --stage``), with that zip unpacked as the submission, grades it with ``grade.py --autograder-root``: 0 with the
-stubs, full marks with the reference's task files (two grading runs: about 3.5 minutes on 2 cores).
+stubs; full marks with the reference's task files, from the one grading of the reference that the staff checks
+share (tests/staff/conftest.py, ``graded_reference``: the release's zip, graded through the bundle on setup.sh's
+image).
 
 ``test_make_submission_reports_failing_tests`` checks the script's own reporting on a tiny fake repository (a
 passing and a failing test, a missing writeup, a missing task file) in a few seconds.
@@ -248,9 +250,9 @@ def _grade_zip(zip_path: Path, source: Path, root: Path, *, results_in_shared_di
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_release_submission_is_graded_by_the_bundle(tmp_path):
+def test_release_submission_is_graded_by_the_bundle(tmp_path, graded_reference):
     """make_submission.sh, run inside the release, makes a zip that the autograder bundle grades: 0 with the
-    stubs, full marks with the reference's task files dropped in."""
+    stubs, full marks with the reference's task files dropped in (that grading run is graded_reference's)."""
     bundle = ROOT / "staff" / "autograder" / "build_bundle.py"
     if not bundle.exists():
         pytest.skip("staff/autograder/build_bundle.py does not exist yet")
@@ -265,22 +267,26 @@ def test_release_submission_is_graded_by_the_bundle(tmp_path):
     env = _clean_env()
     env["PYTHON"] = sys.executable
 
-    for label, expect_full in (("stubs", False), ("reference", True)):
-        if expect_full:
-            release.drop_in_reference(dest)
-        zip_path = dest / f"submission-{label}.zip"
-        proc = subprocess.run(["bash", "make_submission.sh", "--skip-tests", "-o", zip_path.name], cwd=dest,
-                              env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, _tail(proc)
-        data = _grade_zip(zip_path, source, tmp_path / f"autograder-{label}", results_in_shared_dir=not expect_full)
-        # The required tests' maximum: bonus tests (tag "bonus") are reported apart from the score.
-        max_score = sum(t["max_score"] for t in data["tests"] if "bonus" not in t.get("tags", []))
-        assert data["tests"], f"{label}: no graded tests\n{data['_log']}"
-        if expect_full:
-            failed = [t["name"] for t in data["tests"] if t["score"] < t["max_score"] - 1e-6]
-            # results.json's total is the sum of the tests' scores (each rounded to 4 places) rounded to 2 places,
-            # so full marks equal the tests' maximum rounded the same way (not the raw sum: 69 rounded maxima).
-            assert not failed and abs(data["score"] - round(max_score, 2)) < 1e-6, \
-                f"{label}: {data['score']:.2f}/{max_score:.2f}; not full marks: {failed[:10]}\n{data['_log']}"
-        else:
-            assert data["score"] == 0, f"{label}: {data['score']:.2f}/{max_score:.2f}, expected 0\n{data['_log']}"
+    zip_path = dest / "submission-stubs.zip"
+    proc = subprocess.run(["bash", "make_submission.sh", "--skip-tests", "-o", zip_path.name], cwd=dest,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, _tail(proc)
+    data = _grade_zip(zip_path, source, tmp_path / "autograder-stubs", results_in_shared_dir=True)
+    # The required tests' maximum: bonus tests (tag "bonus") are reported apart from the score.
+    max_score = sum(t["max_score"] for t in data["tests"] if "bonus" not in t.get("tags", []))
+    assert data["tests"], f"stubs: no graded tests\n{data['_log']}"
+    assert data["score"] == 0, f"stubs: {data['score']:.2f}/{max_score:.2f}, expected 0\n{data['_log']}"
+
+    # The reference's task files dropped into a release and zipped by its make_submission.sh: graded once per
+    # test run by tests/staff/conftest.py's graded_reference (through the bundle, on setup.sh's image).
+    assert set(graded_reference.zip_names) == set(release.TASK_FILES) | {"WRITEUP.md"}, graded_reference.zip_names
+    assert not graded_reference.mode_changes, \
+        f"grading changed the modes of shared folders (before, after): {graded_reference.mode_changes}"
+    data, log = graded_reference.data, graded_reference.stdout[-3000:]
+    max_score = sum(t["max_score"] for t in data["tests"] if "bonus" not in t.get("tags", []))
+    assert data["tests"], f"reference: no graded tests\n{log}"
+    failed = [t["name"] for t in data["tests"] if t["score"] < t["max_score"] - 1e-6]
+    # results.json's total is the sum of the tests' scores (each rounded to 4 places) rounded to 2 places,
+    # so full marks equal the tests' maximum rounded the same way (not the raw sum: 69 rounded maxima).
+    assert not failed and abs(data["score"] - round(max_score, 2)) < 1e-6, \
+        f"reference: {data['score']:.2f}/{max_score:.2f}; not full marks: {failed[:10]}\n{log}"
