@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib.util
 import os
 import re
 import shutil
@@ -24,8 +23,6 @@ from pathlib import Path
 from benchmarks import sweep
 from benchmarks.report import DEFAULT_OUT, under_torchrun
 from benchmarks.slurm_launch import SLURM_KEYS, additional_params, job_shape
-
-NO_PLOT = ("train",)  # the benchmarks that write no plot (train_gpt.py); the others need matplotlib
 
 # the tiny model every --quick preset uses
 QUICK_MODEL = ["--params", "2e5", "--layers", "2", "--block-size", "16", "--batch", "1"]
@@ -201,9 +198,6 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None, name: str, quick: 
             args.out = Path(args.out) / "quick"
     args.collect = collect
     args.argv = argv
-    if name not in NO_PLOT and importlib.util.find_spec("matplotlib") is None:  # not after the whole sweep
-        p.error("matplotlib is not installed, and this benchmark plots its tables: "
-                "pip install -e \".[bench]\"   (or: pip install \"matplotlib>=3.8\")")
     try:
         return finish_args(args)
     except SystemExit as exc:  # one line, under the script's own name, like argparse's own errors

@@ -21,6 +21,7 @@ each benchmark).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import sys
 import textwrap
@@ -92,6 +93,12 @@ def main(argv=None) -> dict:
     if args.out is None:  # a quick run never lands where the real tables are
         args.out = report.DEFAULT_OUT / "quick" if args.quick else report.DEFAULT_OUT
     per = route(p, args.only, rest)
+    # Every benchmark run_all chains plots its tables: without matplotlib the sweep would run in full and then
+    # trace back, so stop before anything runs. (The check lives here, not in cli.py, because cli.py is part of
+    # the code fingerprinted by the staff results; the single scripts get it with the next staff run.)
+    if importlib.util.find_spec("matplotlib") is None:
+        p.error("matplotlib is not installed, and the benchmarks plot their tables: "
+                "pip install -e \".[bench]\"   (or: pip install \"matplotlib>=3.8\")")
     argvs = {name: (["--quick"] if args.quick else []) + ["--out", str(args.out)] + per[name] for name in args.only}
     for name in args.only:  # every benchmark's flags are checked before the first one runs (and before torch)
         bench = BENCHMARKS[name]

@@ -171,7 +171,7 @@ except SystemExit as exc:
 
 
 def test_a_missing_plotting_package_stops_the_run_at_once_with_the_install_line(tmp_path):
-    """matplotlib missing: run_all (and each plotting benchmark) stops before anything runs, with the install
+    """matplotlib missing: run_all stops before anything runs, with the install
     line, instead of tracing back after the whole sweep; and run_all --help lists the flags it passes on."""
     proc = subprocess.run([sys.executable, "-c", MISSING_MATPLOTLIB, str(tmp_path / "out")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
