@@ -5,7 +5,7 @@ Per-rank rlimits (tests/harness.py) bound each process, not the student: 8 forke
 container (Docker, cgroup file system read-only, no CAP_SYS_ADMIN) offers none, so the grading process counts
 instead, while each test runs: the proportional set size (Pss, /proc/<pid>/smaps_rollup) of every process of the
 rank user, the files it owns on tmpfs mounts (memory too), and its System V shared-memory segments. At the
-limit it kills every process of the user at once (grading_plugin.kill_everything_of) and says so; the ranks
+limit it kills every process of the user at once (tests/rank_isolation.py, kill_everything_of) and says so; the ranks
 then fail as killed by SIGKILL, and the test's output carries the note.
 """
 

@@ -592,7 +592,7 @@ def tagged_processes(tag: str) -> list[tuple[int, str]]:
 def leftovers_of(user: str) -> list[str]:
     """What the rank user still owns after a grading run: System V IPC objects, files in world-writable places."""
     import pwd
-    from grading_plugin import world_writable_places
+    from cleanup import world_writable_places
     uid = pwd.getpwnam(user).pw_uid
     problems = []
     for kind in ("shm", "sem", "msg"):

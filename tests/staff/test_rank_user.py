@@ -1,5 +1,5 @@
 """Rank bodies as an unprivileged user (FSDP_RANK_USER, tests/harness.py), and the reaping of that user's leftover
-processes (staff/autograder/grading_plugin.py). When the grader runs as root, each
+processes (staff/autograder/cleanup.py). When the grader runs as root, each
 rank drops to that user right before the body runs. The body then cannot write the grader's files or signal the
 grading processes, while collectives and the result's way back still work.
 
@@ -69,7 +69,7 @@ def test_leftover_processes_of_the_rank_user_are_reaped():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from grading_plugin import processes_of, reap_user_processes
+    from cleanup import processes_of, reap_user_processes
     uid = pwd.getpwnam("nobody").pw_uid
     if processes_of(uid):
         pytest.skip("processes of 'nobody' already run on this machine; not killing them")
@@ -106,7 +106,7 @@ while True:  # a new process every 2 ms, each parent gone at once: no pid lives 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 def test_a_fork_and_exit_storm_of_the_rank_user_is_reaped():
     """The final reap: kill(-1, SIGKILL) sent as the rank user, which no fork can outrun (see
-    grading_plugin.reap_user_processes). A listing of the user's processes cannot even see such a storm
+    cleanup.reap_user_processes). A listing of the user's processes cannot even see such a storm
     reliably, so the storm writes a heartbeat file: after the reap it must stop changing."""
     import pwd
     import subprocess
@@ -114,7 +114,7 @@ def test_a_fork_and_exit_storm_of_the_rank_user_is_reaped():
     import time
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from grading_plugin import kill_everything_of, processes_of, reap_user_processes
+    from cleanup import kill_everything_of, processes_of, reap_user_processes
     entry = pwd.getpwnam("nobody")
     if processes_of(entry.pw_uid):
         pytest.skip("processes of 'nobody' already run on this machine; not killing them")
@@ -162,7 +162,7 @@ def test_the_rank_users_files_in_shared_temporary_folders_are_removed():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from grading_plugin import remove_user_files
+    from cleanup import remove_user_files
     entry = pwd.getpwnam("nobody")
     place = Path(tempfile.mkdtemp(prefix="fsdp-shared-"))  # a stand-in for /tmp (pytest's tmp_path is 0700)
     os.chmod(place, 0o1777)
@@ -222,7 +222,7 @@ def test_every_world_writable_place_on_the_image_is_cleaned():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from grading_plugin import remove_user_files, world_writable_places
+    from cleanup import remove_user_files, world_writable_places
     shallow = world_writable_places()
     everywhere = world_writable_places(depth=None)
     missed = [p for p in everywhere if not any(p == s or p.startswith(s.rstrip("/") + "/") for s in shallow)]
@@ -256,7 +256,7 @@ def test_the_rank_users_sysv_ipc_objects_are_removed():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from grading_plugin import remove_user_ipc
+    from cleanup import remove_user_ipc
 
     def owned(uid: int) -> int:
         count = 0
@@ -306,7 +306,7 @@ def test_the_rank_users_memory_is_bounded_all_together(kind):
     import time
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from grading_plugin import kill_everything_of, processes_of, remove_user_files
+    from cleanup import kill_everything_of, processes_of, remove_user_files
     from student_limits import MemoryWatch, tmpfs_mounts
     entry = pwd.getpwnam("nobody")
     if processes_of(entry.pw_uid):
