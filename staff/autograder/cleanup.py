@@ -39,23 +39,24 @@ def clean_up_after_test(uid: int, places: tuple[str, ...], log) -> list[str]:
     raises."""
     notes = []
     steps = (
-        (reap_user_processes, "{} process(es) started by your code were still alive after this test and were "
-                              "killed; leave nothing running when a rank returns"),
-        (remove_user_ipc, "{} System V shared-memory segment(s), semaphore set(s) or message queue(s) your code "
-                          "left were removed (each test starts without them)"),
-        (remove_user_mqueues, "{} POSIX message queue(s) your code left were removed (each test starts without "
-                              "them)"),
-        (lambda u: remove_user_files(u, places), "{} file(s) or folder(s) your code left in shared folders (/tmp, "
-                                                 "/dev/shm, /run/lock, ...) were removed (each test starts without "
-                                                 "them)"),
+        ("processes", lambda: reap_user_processes(uid),
+         "{} process(es) started by your code were still alive after this test and were killed; leave nothing "
+         "running when a rank returns"),
+        ("System V IPC", lambda: remove_user_ipc(uid),
+         "{} System V shared-memory segment(s), semaphore set(s) or message queue(s) your code left were removed "
+         "(each test starts without them)"),
+        ("POSIX message queues", lambda: remove_user_mqueues(uid),
+         "{} POSIX message queue(s) your code left were removed (each test starts without them)"),
+        ("files", lambda: remove_user_files(uid, places),
+         "{} file(s) or folder(s) your code left in shared folders (/tmp, /dev/shm, /run/lock, ...) were removed "
+         "(each test starts without them)"),
     )
-    for step, note in steps:
+    for what, step, note in steps:
         try:
-            count = step(uid)
+            count = step()
         except Exception as err:  # RecursionError, OSError, MemoryError, ...: the staff's problem, not the test's
-            name = getattr(step, "__name__", "remove_user_files")
             try:
-                log(f"cleanup: {name} for uid {uid} failed: {type(err).__name__}: {err}")
+                log(f"cleanup of uid {uid}'s {what} failed: {type(err).__name__}: {err}")
             except Exception:
                 pass
             continue

@@ -85,8 +85,8 @@ def test_a_zip_with_too_many_entries_is_not_parsed(tmp_path):
 
 
 def test_a_zip_that_is_a_link_or_a_device_is_refused_and_said_so(tmp_path):
-    # Issue 25: submission.zip as a link to /dev/zero. zip_too_big trusted st_size (0 for a device) and read without
-    # a limit, as root, before any time limit applied: grade.py grew to 2 GiB and wrote no results.json.
+    # Issue 25: submission.zip as a link to /dev/zero. zip_too_big trusted st_size (0 for a device) and read
+    # without a limit, as root, before any time limit applied: grade.py grew to 2 GiB and wrote no results.json.
     sub = tmp_path / "submission"
     sub.mkdir()
     os.symlink("/dev/zero", sub / "submission.zip")
