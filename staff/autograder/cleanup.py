@@ -20,9 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run from staff/autograder (grade.py), not as staff.autograder.cleanup
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.rank_isolation import kill_everything_of  # noqa: E402  (the harness reaps with it after every run)
 
 SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # where any user may write on every image (world_writable_places)
 SKIP_WHEN_LISTING = ("/proc", "/sys", "/dev")  # kernel file systems: nothing there is a file a user leaves
@@ -66,6 +63,18 @@ def clean_up_after_test(uid: int, places: tuple[str, ...], log) -> list[str]:
 
 
 # ---- processes ---------------------------------------------------------------------------------------------
+def kill_everything_of(uid: int) -> None:
+    """tests/rank_isolation.py's kill_everything_of (the harness ends the rank user's processes with it after
+    every run), imported when first needed: the plugin is loaded before pytest imports the tree's ``tests``
+    package, and must not import one of its own (it would shadow the tree's)."""
+    try:
+        from tests.rank_isolation import kill_everything_of as kill
+    except ImportError:  # grade.py, after the run: this tree's tests package
+        sys.path.append(str(Path(__file__).resolve().parents[2]))
+        from tests.rank_isolation import kill_everything_of as kill
+    kill(uid)
+
+
 def rank_user_uid() -> int | None:
     user = os.environ.get("FSDP_RANK_USER", "").strip()
     if not user or os.geteuid() != 0:
