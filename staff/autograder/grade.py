@@ -283,6 +283,36 @@ def usable_rank_user(user: str | None, tree: Path) -> tuple[str | None, str]:
     return user, f"rank bodies run as user {user!r} (uid {entry.pw_uid})"
 
 
+def syscall_filter_note(tree: Path) -> str:
+    """Whether the ranks will refuse memfd_create and unshare here (tests/rank_isolation.py installs a seccomp
+    filter in each rank; where the kernel or the container does not allow one, only the memory count applies):
+    tried once in a child process, for the staff's log."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        why = "?"
+        try:
+            sys.path.append(str(tree))
+            from tests.rank_isolation import refuse_hidden_memory
+            why = refuse_hidden_memory()
+            if not why:
+                try:
+                    os.close(os.memfd_create("probe"))
+                    why = "memfd_create still works under the filter"
+                except OSError:
+                    pass
+        except BaseException as err:
+            why = f"the filter could not be tried: {type(err).__name__}: {err}"
+        finally:
+            os.write(write, why.encode()[:1000])
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        why = f.read().decode(errors="replace")
+    os.waitpid(pid, 0)
+    return why or "ranks refuse memfd_create, memfd_secret, unshare, setns and namespace clones (seccomp)"
+
+
 # ---- running ---------------------------------------------------------------------------------------------
 def pytest_command(tree: Path, results: Path, budget: float, extra: list[str], notes: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "pytest",
@@ -379,6 +409,8 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
                memory_mb: int, timeout_cap: float | None, extra: list[str], notes: list[str]) -> int:
     user, why = usable_rank_user(rank_user, tree)
     say(f"grade: {why}")
+    if user:
+        say(f"grade: {syscall_filter_note(tree)}")
     budget = budget if budget is not None else max(30.0, timeout - 60.0)
     cmd = pytest_command(tree, results, budget, extra, notes)
     env = grading_env(tree, user, memory_mb, timeout_cap)
