@@ -80,7 +80,8 @@ import torch
 import torch.distributed as dist
 
 from tests.rank_isolation import (apply_limits, close_inherited_fds, create_private, drop_privileges,
-                                   grader_settings, redirect_output, trace_task_calls, watch_lifeline)
+                                   grader_settings, kill_everything_of, redirect_output, trace_task_calls,
+                                   watch_lifeline)
 
 __all__ = ["run_ranks", "RankFailure", "require_backend"]
 
@@ -237,6 +238,8 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
     finally:
         # Whatever happened (a failure, a KeyboardInterrupt, pytest-timeout), nothing outlives the run.
         _kill_all(ranks)
+        if run_as is not None:  # and nothing the body started outside its session (a detached daemon)
+            kill_everything_of(run_as[0])
         lifeline_w.close()
         lifeline_r.close()
         for r in ranks:

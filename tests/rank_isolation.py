@@ -8,7 +8,10 @@ that keep a rank from harming the machine or the grader, all applied inside the 
 - ``close_inherited_fds``, ``create_private``, ``redirect_output``: a rank starts with no descriptor of the
   grader's and writes its output and stacks into files it cannot swap for links.
 - ``watch_lifeline``: the rank kills its own process group when the pytest process goes away.
-- ``apply_limits``, ``drop_privileges``: hard rlimits, then the rank user, right before the body.
+- ``apply_limits``, ``drop_privileges``: hard rlimits (and, grading as root, the system calls a rank may not
+  make: ``refuse_hidden_memory``), then the rank user, right before the body.
+- ``kill_everything_of``: the harness ends every process of the rank user after each run, so nothing a body
+  started (a daemon that left its session) outlives it into the next run (the FSDP2 run a test compares with).
 - ``trace_task_calls``: staff measurement (which task functions a test calls; measure_times.py).
 """
 
@@ -63,6 +66,9 @@ def grader_settings(timeout: float, collective_timeout: float, memory_limit_byte
     nproc = os.environ.get("FSDP_RANK_MAX_PROCESSES", "").strip()
     if nproc and run_as is not None:
         limits["nproc"] = int(nproc)
+    if run_as is not None:  # the grader counts the rank user's memory as a whole: nothing may hide from it
+        limits["msgqueue"] = 0
+        limits["refuse_hidden_memory"] = True
     return timeout, collective_timeout, memory_limit_bytes, limits, run_as
 
 def close_inherited_fds(keep: set[int]) -> None:
@@ -145,6 +151,88 @@ def apply_limits(memory_limit_bytes: int | None, limits: dict) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize"], limits["fsize"]))
     if limits.get("nproc") is not None:
         resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"], limits["nproc"]))
+    if limits.get("msgqueue") is not None:  # POSIX message queues: memory outside every count, and kept after exit
+        resource.setrlimit(resource.RLIMIT_MSGQUEUE, (limits["msgqueue"], limits["msgqueue"]))
+    if limits.get("refuse_hidden_memory"):
+        why_not = refuse_hidden_memory()
+        if why_not:
+            print(f"harness: {why_not}", file=sys.stderr, flush=True)
+
+
+# ---- system calls a rank may not make when grading as root -------------------------------------------------
+# Memory the grader could not charge to the student (issue 25: three ranks held 2.8 GiB in memfd files and unlinked
+# /dev/shm files against a 2 GiB limit): memfd_create and memfd_secret; and new namespaces (unshare, setns, clone
+# with a CLONE_NEW* flag), in which a rank could mount a private tmpfs or hide its processes. The grader counts
+# shared memory as a whole anyway (staff/autograder/student_limits.py); refusing these makes it plain.
+# Per architecture: (AUDIT_ARCH, {name: number}); clone3's flags sit in memory a filter cannot read, so it gets
+# ENOSYS and the C library falls back to clone, whose flags it can.
+_SYSCALLS = {
+    "x86_64": (0xC000003E, dict(clone=56, unshare=272, setns=308, memfd_create=319, clone3=435, memfd_secret=447,
+                                seccomp=317)),
+    "aarch64": (0xC00000B7, dict(clone=220, unshare=97, setns=268, memfd_create=279, clone3=435, memfd_secret=447,
+                                 seccomp=277)),
+}
+_CLONE_NEW_ANY = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+
+
+def refuse_hidden_memory() -> str:
+    """Install a seccomp filter on every thread of this process (and so on everything it starts): the calls
+    above fail with EPERM (clone3 with ENOSYS), everything else is allowed. Returns "" when installed, else why
+    not (another architecture, a kernel or container without seccomp): then the memory count alone applies."""
+    import ctypes
+    import platform
+    import struct
+    arch = _SYSCALLS.get(platform.machine())
+    if arch is None:
+        return f"memfd_create and unshare are not refused on {platform.machine()} (no system call table here)"
+    audit_arch, nr = arch
+    LD_W_ABS, JEQ, JSET, RET = 0x20, 0x15, 0x45, 0x06
+    ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    # (code, jump if true, jump if false, k): seccomp_data is {int nr; u32 arch; u64 ip; u64 args[6]}
+    program = [
+        (LD_W_ABS, 0, 0, 4), (JEQ, 1, 0, audit_arch), (RET, 0, 0, EPERM),  # another ABI (i386 on x86_64): no
+        (LD_W_ABS, 0, 0, 0), (JSET, 0, 1, 0x40000000), (RET, 0, 0, EPERM),  # x32 numbers: no
+        (JEQ, 0, 1, nr["clone3"]), (RET, 0, 0, ENOSYS),
+        (JEQ, 0, 3, nr["clone"]), (LD_W_ABS, 0, 0, 16), (JSET, 0, 1, _CLONE_NEW_ANY), (RET, 0, 0, EPERM),
+        (LD_W_ABS, 0, 0, 0),
+    ]
+    refused = [nr[n] for n in ("unshare", "setns", "memfd_create", "memfd_secret")]
+    for i, number in enumerate(refused):  # each: jump to the EPERM at the end, else fall through to the next
+        program.append((JEQ, len(refused) - i, 0, number))
+    program += [(RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
+    raw = b"".join(struct.pack("HBBI", *ins) for ins in program)
+    buf = ctypes.create_string_buffer(raw)
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    prog = Prog(len(program), ctypes.addressof(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_NO_NEW_PRIVS, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC = 38, 1, 1
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or \
+            libc.syscall(ctypes.c_long(nr["seccomp"]), SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC,
+                         ctypes.byref(prog)) != 0:
+        return f"memfd_create and unshare are not refused here: seccomp failed ({os.strerror(ctypes.get_errno())})"
+    return ""
+
+
+def kill_everything_of(uid: int) -> None:
+    """SIGKILL every process of ``uid`` at once: kill(-1, SIGKILL) from a child that has become ``uid`` (the kernel
+    signals all that user's processes while holding the task list, so no fork can slip between; see
+    staff/autograder/cleanup.py, reap_user_processes). Root only."""
+    import pwd
+    gid = pwd.getpwuid(uid).pw_gid  # here: the child of a threaded process makes no library call that may lock
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            os.kill(-1, signal.SIGKILL)
+        except BaseException:
+            pass
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
 
 def create_private(path: str) -> int:
     """A new file for this rank to write: never an existing one, never through a link."""

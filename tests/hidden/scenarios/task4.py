@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+import time
+import weakref
+
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import adapters
 from fsdp_assignment.support.memory import LiveStorageTracker
@@ -77,7 +83,50 @@ def _two_backwards(rank, world_size):
             "full_grads_alive": full_grads_alive, "multi_output": _multi_output(rank, world_size)}
 
 
+class _CollectiveBuffers(TorchDispatchMode):
+    """Weak references to the buffers the collectives read (their read-only tensor arguments), but the ones in
+    ``keep`` (the model's own shards).
+
+    gloo's worker thread holds a collective's buffers until it has finished with its request, a moment after the
+    caller's wait() returns; under load that moment came after the measurement, and a correct implementation was
+    measured with the last unit's full gradient still alive (issue 25: one unit's full buffer over the bound, 2 of
+    10 runs at load 8)."""
+
+    def __init__(self, keep):
+        super().__init__()
+        self.keep = {id(st) for st in keep}
+        self.read: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    value = kwargs.get(arg.name, args[i] if i < len(args) else None)
+                    for t in tree_leaves(value):
+                        if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self.keep:
+                            self.read.append(weakref.ref(t.untyped_storage()))
+        return func(*args, **kwargs)
+
+    def wait_until_released(self, timeout_s: float = 5.0) -> None:
+        """Until every buffer a collective read is freed (or resized to 0): then no thread of the communication
+        library holds one, and what is alive is what the implementation keeps. One that keeps a full gradient
+        never gets there, and is measured after ``timeout_s`` with it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            gc.collect()
+            if all(_released(ref) for ref in self.read):
+                return
+            time.sleep(0.01)  # (releases the GIL, which the worker thread needs to free a buffer Python knows)
+
+
+def _released(ref: weakref.ref) -> bool:
+    storage = ref()
+    return storage is None or storage.nbytes() == 0
+
+
 def _backward_memory(rank, world_size):
+    from fsdp_assignment.support.memory import storages_of
     torch.manual_seed(0)
     model = GPT(CFG)
     hand_shard_gpt(model)
@@ -90,9 +139,11 @@ def _backward_memory(rank, world_size):
     with LiveStorageTracker(device="cpu") as mem:
         mem.track(model)  # the shards (and buffers): counted from the start, so what follows is on top of them
         base = mem.current_bytes
-        loss = gpt_loss(model, idx, tgt)
-        loss.backward()
-        del loss
+        with _CollectiveBuffers(keep=storages_of(model)) as collectives:
+            loss = gpt_loss(model, idx, tgt)
+            loss.backward()
+            del loss
+        collectives.wait_until_released()
         after_backward = mem.current_bytes - base
     return {"after_backward": after_backward, "block_bytes": block_bytes, "grad_shard_bytes": grad_shard_bytes}
 
