@@ -52,6 +52,12 @@ The protocol, step by step:
 6. At `timeout`, the parent sends SIGUSR1 to every live rank, waits for their stack dumps, kills them, and
    raises RankFailure with every hung rank's stacks.
 
+7. Memory and communication, where a test bounds them (``witness=Witness(peak_bytes=..., sent_bytes=...)``),
+   are read from the kernel by the parent while the ranks run: each rank's VmHWM/VmRSS (/proc/<pid>/status)
+   and the bytes it wrote (``wchar`` in /proc/<pid>/io, which counts gloo's socket writes: gloo's threads are
+   the rank's own). The rank says when its body starts (an empty frame on its pipe) and, after its report,
+   waits for the parent's last reading before it exits. Whatever the rank's own counters say, these decide.
+
 Compare results in the test (the pytest process), not inside the body, when the comparison is what is graded:
 a rank runs student code, which could patch torch's comparison functions in its own process.
 """
@@ -267,11 +273,14 @@ class _KernelSamples:
         self.final = False  # read after the complete report, before the rank was let go
         self.received = 0  # bytes the parent read from the rank's report pipe (they count in wchar)
         self.samples = 0
+        self.unreadable = ""
 
     def sample(self, final: bool = False) -> None:
         st = _read_status(self.pid)
         wchar = _read_wchar(self.pid)
         if "VmHWM" not in st or wchar is None:
+            if "VmHWM" in st and not self.unreadable:  # alive, but its counters hidden (PR_SET_DUMPABLE 0?)
+                self.unreadable = "its kernel counters (/proc/<pid>/io) could not be read while it ran"
             return  # gone already (or not readable): `final` stays False and the check fails
         self.samples += 1
         if self.first_rss is None:
@@ -295,6 +304,8 @@ class _KernelSamples:
         error = ""
         if not self.started:
             error = "the parent never saw its body start (the harness's 'body starts' frame did not arrive)"
+        elif self.unreadable and not self.final:
+            error = self.unreadable
         elif not self.final:
             error = ("it exited before the parent could read its kernel counters after its report (a rank waits "
                      "for the parent's go before it exits)")
