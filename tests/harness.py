@@ -150,8 +150,8 @@ class RankFailure(AssertionError):
 # ---- Kernel witnesses: memory and bytes as the kernel counts them, not as the rank reports them ------------------
 WITNESS_SAMPLE_S = 0.005  # how often the parent reads each witnessed rank's /proc files while it runs
 # Writes a rank makes that are not sends to its peers, allowed on top of the test's bound: joining the process
-# group (FileStore writes, gloo's handshakes and barriers; measured about 10 KiB) and its output (warnings).
-WITNESS_SETUP_SENT_BYTES = 256 << 10
+# group (FileStore writes, gloo's handshakes and barriers; measured 1-8 KiB) and its output (warnings).
+WITNESS_SETUP_SENT_BYTES = 64 << 10
 # The kernel's RSS counters are approximate (per-CPU batches), so VmHWM can read a little lower than a reading
 # before; a reset (clear_refs) drops it to the current RSS, far more than this when it hides a unit's memory.
 WITNESS_HWM_NOISE_BYTES = 4 << 20
