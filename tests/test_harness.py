@@ -3,8 +3,9 @@
 Every failure mode of a rank that the autograder must survive is played here once, on gloo: results in rank
 order; a rank that raises (fails fast, its traceback in the message); sys.exit(0), os._exit(0), os.abort()
 and SIGKILL (failures, named); a hung collective and an endless loop (killed at the timeout, stacks shown);
-a result that cannot travel safely; a memory bomb under a limit; and no process left behind, even when the
-pytest process itself is killed.
+a result that cannot travel safely; a memory bomb under a limit; no process left behind, even when the
+pytest process itself is killed; and the kernel witnesses (peak memory a rank freed, a peak it reset, bytes it
+sent), which decide in the parent whatever the rank reports.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import RankFailure, _decode_message, run_ranks
+from tests.harness import RankFailure, Witness, _decode_message, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -484,3 +485,44 @@ def test_a_rank_that_destroyed_the_process_group_is_named():
     message = str(info.value)
     assert info.value.kind == "group-destroyed" and info.value.rank == 0, message
     assert message.startswith("rank 0 of 2 returned without the default process group"), message
+
+
+# ---- Kernel witnesses ---------------------------------------------------------------------------------------
+def _peak_then_free(rank, world_size, nbytes, reset):
+    t = torch.ones(nbytes // 4)  # written: resident
+    time.sleep(0.05)  # the parent reads it at least once
+    del t
+    if reset:  # hide the peak: VmHWM starts again from what is resident now
+        time.sleep(0.05)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        time.sleep(0.1)
+    return 0
+
+
+def test_witness_sees_the_peak_of_memory_the_rank_freed_and_a_reset_of_it():
+    witness = Witness(peak_bytes=32 << 20, deferred=True)
+    run_ranks(_peak_then_free, 1, 96 << 20, False, witness=witness)
+    assert witness.measured[0]["peak_bytes"] >= 90 << 20, witness.measured
+    with pytest.raises(RankFailure, match="resident memory rise") as info:
+        witness.check()
+    assert info.value.kind == "witness" and "kernel's counts decide" in str(info.value)
+    run_ranks(_peak_then_free, 1, 96 << 20, False, witness=Witness(peak_bytes=128 << 20))  # within: passes
+    with pytest.raises(RankFailure, match="the peak was reset"):
+        run_ranks(_peak_then_free, 1, 96 << 20, True, witness=Witness(peak_bytes=128 << 20))
+
+
+def _gather(rank, world_size, numel):
+    out = torch.empty(numel * world_size)
+    dist.all_gather_into_tensor(out, torch.full((numel,), float(rank)))
+    return 0
+
+
+def test_witness_counts_the_bytes_sent_to_peers():
+    # gloo's socket writes (from its own threads) count in the rank's wchar: each rank sends its 8 MiB once.
+    witness = Witness(sent_bytes=4 << 20, deferred=True)
+    run_ranks(_gather, 2, 2 << 20, witness=witness)
+    for m in witness.measured:
+        assert 8 << 20 <= m["sent_bytes"] <= (8 << 20) + (64 << 10), witness.measured
+    with pytest.raises(RankFailure, match="bytes written"):
+        witness.check()

@@ -45,7 +45,7 @@ GRAD_2 = "test_unshard_gathers_every_rank_shard_and_reshard_frees[gloo-2]"
 TIED_2 = "test_tied_parameters_are_stored_once"
 CLIP = "test_clip_grad_norm_uses_the_global_norm"
 RS_AVG = "test_reduce_scatter_averages_over_ranks"
-RESHARDED = "test_units_are_resharded_after_forward_and_backward"
+ACCUMULATE = "test_gradient_accumulation_with_and_without_sync[True]"
 SIBLING = "test_tie_across_sibling_units_is_rejected"
 TIE_ONCE = "test_tied_weights_are_updated_once"
 FORGERY_CAUGHT = r"must own exactly the parameters of its subtree"  # the evidence of sharding, checked in the parent
@@ -129,7 +129,9 @@ CASES: list[Case] = [
          edits=(_insert(7, "    if isinstance(module, FSDPModule):\n",
                         "    import threading, time\n    dist.new_group()\n"
                         "    threading.Thread(target=time.sleep, args=(3600,), name='zoo-leftover').start()\n"),),
-         select=f"{RESHARDED} or {SIBLING}", fine=(RESHARDED, SIBLING)),
+         # not test_units_are_resharded_after_forward_and_backward: its 9 units would leak 9 gloo groups, ~110 MiB
+         # of address space each, past RLIMIT_AS
+         select=f"{ACCUMULATE} or {SIBLING}", fine=(ACCUMULATE, SIBLING)),
     Case("escaped_child", "starts a child process in its own session that outlives the rank (results correct)",
          edits=(_insert(7, "    if isinstance(module, FSDPModule):\n",
                         "    import subprocess\n    subprocess.Popen(['sleep', '600'], start_new_session=True)\n"),),

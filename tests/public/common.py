@@ -71,6 +71,22 @@ def hand_shard_gpt(model: GPT, **kwargs):
     return hand_shard(model, [*model.blocks, model], **kwargs)
 
 
+def gpt_sharded_block_by_block(cfg: GPTConfig, shard) -> GPT:
+    """A GPT whose blocks are built and sharded (``shard(module)``) one at a time, then the root: the full model
+    never exists in this rank, so the kernel's peak of its resident memory (tests/harness.py's Witness) sees
+    what training holds, not what building the model did. The parameters' values are not those of GPT(cfg)."""
+    from dataclasses import replace
+    from fsdp_assignment.support.models import Block
+    model = GPT(replace(cfg, n_layer=0))
+    model.cfg = cfg
+    for _ in range(cfg.n_layer):
+        block = Block(cfg)
+        shard(block)
+        model.blocks.append(block)
+    shard(model)
+    return model
+
+
 def describe_flat_params(module: nn.Module, *, grads: bool = False) -> list[dict]:
     """What the parent needs to rebuild each expected shard: layout, shard, and optionally its gradient."""
     out = []

@@ -9,10 +9,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, TiedModel, ToyMLP, gpt_batch, gpt_loss
-from tests.harness import run_ranks
+from tests.harness import Witness, run_ranks
 from tests.public.collectives import use_counted_collectives
 from tests.public.common import (assert_close, check_flat_params, check_sharded_training, describe_flat_params,
-                                 expected_shard, full_params_of, local_batch, rank_device, train_single_process)
+                                 expected_shard, full_params_of, gpt_sharded_block_by_block, local_batch, rank_device,
+                                 train_single_process, unit_numels)
 from tests.public.invariants import check_monitor
 from tests.public.monitor import Monitor
 
@@ -105,26 +106,57 @@ def test_training_matches_single_process_and_torch_fsdp2(backend, world_size):
             f"elements, once); it communicated {got['gather_calls']}")
 
 
+# Big enough that one block's full parameters (12.6 MiB in fp32) stand far above the 1-2 MiB by which an idle
+# rank's resident memory moves: memory and bytes are decided from the kernel's counts (tests/harness.py, Witness).
+WITNESS_CFG = GPTConfig(n_layer=8, n_embd=512, n_head=4)
+WITNESS_UNITS = [f"blocks.{i}." for i in range(WITNESS_CFG.n_layer)] + [""]
+
+
 def _memory_states(rank, world_size):
+    # Counted collectives: their reduce-scatter sends each peer only its chunk, as a real one does (gloo's own
+    # all-reduces the whole gradient), so the kernel's byte count tells a reduce-scatter from an all-reduce.
+    log = use_counted_collectives(late=False)
     torch.manual_seed(0)
-    model = _shard_gpt(GPT(CFG))
+    model = gpt_sharded_block_by_block(WITNESS_CFG, adapters.fully_shard)  # the full model never exists here
     units = adapters.fsdp_units(model)
-    idx, tgt = local_batch(CFG, rank, world_size, 0)
+    idx, tgt = local_batch(WITNESS_CFG, rank, world_size, 0)
+    mark = log.mark()
     loss = gpt_loss(model, idx, tgt)
     after_forward = [fp.unsharded.untyped_storage().size() for u in units for fp in u.flat_params]
     loss.backward()
     after_backward = {"sizes": [fp.unsharded.untyped_storage().size() for u in units for fp in u.flat_params],
                       "full_grads": sum(fp.unsharded.grad is not None for u in units for fp in u.flat_params),
                       "param_names": sorted(n for n, _ in model.named_parameters())}
-    return {"forward": after_forward, "backward": after_backward}
+    return {"forward": after_forward, "backward": after_backward, "calls": log.since(mark),
+            "shard_numels": [p.numel() for p in model.parameters()]}
 
 
-def test_units_are_resharded_after_forward_and_backward():
-    for rank, got in enumerate(run_ranks(_memory_states, 2)):
+def witness_bounds(cfg: GPTConfig, world_size: int) -> Witness:
+    """What one training step of GPT(cfg), sharded block by block, may cost each rank, as the kernel counts it.
+
+    Bytes sent: 3Ψ(W-1)/W (x4 bytes): every unit all-gathered in forward and again in backward, each rank
+    sending its shard to W-1 peers, and every full gradient reduce-scattered, each rank sending W-1 of its W
+    chunks. Peak memory above the body's start: the shards of the parameters and of their gradients (2Ψ/W),
+    plus eleven blocks' full parameters for what is alive at once (the unit computing, the one prefetched, full
+    gradients, the collectives' buffers: the reference peaks near 6, PyTorch's fully_shard near 8.3; never
+    freeing a unit makes it 13.7)."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    padded = [-(-n // world_size) * world_size for n in unit_numels(model, WITNESS_UNITS).values()]
+    block = max(padded[:-1])
+    return Witness(peak_bytes=4 * (2 * sum(padded) // world_size + 11 * block),
+                   sent_bytes=4 * 3 * sum(padded) * (world_size - 1) // world_size, deferred=True)
+
+
+def check_memory_states(results: list[dict], witness: Witness) -> None:
+    """What the ranks reported, then what the kernel saw of them (tests/staff/test_witness.py reuses it)."""
+    with torch.device("meta"):
+        model = GPT(WITNESS_CFG)
+    for rank, got in enumerate(results):
         assert got["forward"] and all(s == 0 for s in got["forward"]), \
             f"rank {rank}: with reshard_after_forward=True every unit must be resharded (storage size 0) after " \
             f"forward: {got['forward']}"
-        n_units = CFG.n_layer + 1  # each block and the root: one trainable FlatParameter each
+        n_units = WITNESS_CFG.n_layer + 1  # each block and the root: one trainable FlatParameter each
         assert len(got["forward"]) == len(got["backward"]["sizes"]) == n_units, \
             f"rank {rank}: {len(got['forward'])} FlatParameters, expected one per unit ({n_units})"
         assert all(s == 0 for s in got["backward"]["sizes"]), f"rank {rank}: units unsharded after backward"
@@ -132,6 +164,18 @@ def test_units_are_resharded_after_forward_and_backward():
         assert len(got["backward"]["param_names"]) == n_units and \
             all("_fsdp_flat_param" in n for n in got["backward"]["param_names"]), \
             f"rank {rank}: module.parameters() must yield only the flat shards, got {got['backward']['param_names']}"
+        check_sharded_training(got["calls"], got["shard_numels"], model, WITNESS_UNITS, 2, 1, f"rank {rank}")
+    # What the ranks reported passed; now what the kernel saw of them (peak resident memory, bytes written),
+    # which a rank cannot rewrite. When the two disagree, the kernel decides.
+    witness.check()
+
+
+def test_units_are_resharded_after_forward_and_backward():
+    witness = witness_bounds(WITNESS_CFG, 2)
+    # The model is bigger than the other tests' (about 180 MiB a rank at the peak): twice the witness's bound as
+    # the rank's allocation limit, so that the kernel's count, not the limit, is what a leak runs into.
+    check_memory_states(run_ranks(_memory_states, 2, witness=witness, memory_limit_bytes=2 * witness.peak_bytes),
+                        witness)
 
 
 def _nested_toy(rank, world_size):
