@@ -205,7 +205,7 @@ CASES: list[Case] = [
     Case("deep_tree", "leaves a 1,500-deep folder tree under /tmp (results correct; shutil.rmtree's RecursionError "
          "in every later teardown scored the reference 35.79)",
          edits=(_insert(7, "    if isinstance(module, FSDPModule):\n", "    _zoo_deep_tree()\n"),),
-         select=f"{RESHARDED} or {SIBLING}", fine=(RESHARDED, SIBLING), needs_rank_user=True),
+         select=f"{ACCUMULATE} or {SIBLING}", fine=(ACCUMULATE, SIBLING), needs_rank_user=True),
     Case("detached_daemon", "rank 0 leaves a daemon (double fork, setsid) that, once its rank has ended, SIGKILLs "
          "every process of its user: the FSDP2 run the differential test makes next (results correct)",
          edits=(_insert(7, "    if isinstance(module, FSDPModule):\n", "    _zoo_daemon()\n"),),
