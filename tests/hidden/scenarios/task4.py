@@ -108,21 +108,24 @@ class _CollectiveBuffers(TorchDispatchMode):
                             self.read.append(weakref.ref(t.untyped_storage()))
         return func(*args, **kwargs)
 
-    def wait_until_released(self, timeout_s: float = 5.0) -> None:
-        """Until every buffer a collective read is freed (or resized to 0): then no thread of the communication
-        library holds one, and what is alive is what the implementation keeps. One that keeps a full gradient
-        never gets there, and is measured after ``timeout_s`` with it."""
+    def wait_until_released(self, kept: list[torch.UntypedStorage], timeout_s: float = 5.0) -> None:
+        """Until every buffer a collective read is freed (or resized to 0), but those in ``kept`` (what the
+        implementation must keep: the shards' gradients): then no thread of the communication library holds one,
+        and what is alive is what the implementation keeps. One that keeps a full gradient never gets there, and
+        is measured after ``timeout_s`` with it. (Without ``kept`` a correct implementation, whose gradient shards
+        a collective wrote, waited the whole ``timeout_s`` every run.)"""
+        kept_ptrs = {st.data_ptr() for st in kept if st.nbytes()}
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             gc.collect()
-            if all(_released(ref) for ref in self.read):
+            if all(_released(ref, kept_ptrs) for ref in self.read):
                 return
             time.sleep(0.01)  # (releases the GIL, which the worker thread needs to free a buffer Python knows)
 
 
-def _released(ref: weakref.ref) -> bool:
+def _released(ref: weakref.ref, kept_ptrs: set[int]) -> bool:
     storage = ref()
-    return storage is None or storage.nbytes() == 0
+    return storage is None or storage.nbytes() == 0 or storage.data_ptr() in kept_ptrs
 
 
 def _backward_memory(rank, world_size):
@@ -143,7 +146,7 @@ def _backward_memory(rank, world_size):
             loss = gpt_loss(model, idx, tgt)
             loss.backward()
             del loss
-        collectives.wait_until_released()
+        collectives.wait_until_released(kept=storages_of([p.grad for p in model.parameters() if p.grad is not None]))
         after_backward = mem.current_bytes - base
     return {"after_backward": after_backward, "block_bytes": block_bytes, "grad_shard_bytes": grad_shard_bytes}
 
