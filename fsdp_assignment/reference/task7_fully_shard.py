@@ -14,11 +14,11 @@ first forward: the unit whose forward runs first is the root (``lazy_init``).
 
 Two bonus keywords, spelled as FSDP2 spells them (the required tasks never pass them):
 
-- ``mesh``: a ``DeviceMesh``. 1-D: shard over its ranks. 2-D ``(R, S)`` (HSDP, hybrid sharding): dim 0
-  replicates and dim 1 shards, as in FSDP2. Each unit is sharded S ways over its shard group (all-gathers
-  and reduce-scatters of S ranks) and replicated over its replicate group of R ranks, across which each
+- ``mesh``: a ``DeviceMesh``. 1-D: shard over its ranks. 2-D ``(R, K)`` (HSDP, hybrid sharding): dim 0
+  replicates and dim 1 shards, as in FSDP2. Each unit is sharded K ways over its shard group (all-gathers
+  and reduce-scatters of K ranks) and replicated over its replicate group of R ranks, across which each
   reduced gradient shard is all-reduced once per unit and step (a subclass of Task 6's hooks): the gradient is the mean
-  over all R x S ranks, and every replica keeps identical shards.
+  over all R x K ranks, and every replica keeps identical shards.
 - ``offload_policy``: ``torch.distributed.fsdp.CPUOffloadPolicy`` keeps the shards, their gradients and so
   the optimizer state on the CPU (pinned where the device allows); a unit's unsharded buffer, its full
   gradient and its collectives stay on the compute device. The copies are Tasks 3 and 4's: ``unshard``
@@ -101,8 +101,8 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     may be changed between two iterations and are in effect in the very next one.
 
     Bonus keywords (see the module docstring): ``mesh``, a 1-D or 2-D ``DeviceMesh`` (None: the default
-    group); with a 2-D mesh ``(R, S)`` the FlatParameters are built for the rank's place in its shard group
-    (``rank = dist.get_rank(shard_group)``, ``world_size = S``), ``unit.group`` is the shard group and
+    group); with a 2-D mesh ``(R, K)`` the FlatParameters are built for the rank's place in its shard group
+    (``rank = dist.get_rank(shard_group)``, ``world_size = K``), ``unit.group`` is the shard group and
     ``unit.replicate_group`` the replicate group (``TypeError`` for anything but a DeviceMesh, ``ValueError``
     for more than 2 dimensions). ``offload_policy``: None or ``OffloadPolicy()`` (no offload) or
     ``CPUOffloadPolicy(pin_memory=...)``: each shard is moved to the CPU (pinned when asked and a GPU is
@@ -202,7 +202,7 @@ def _offload_shard(flat_param: FlatParameter, pin_memory: bool) -> None:
 class _ReplicaReduction:
     """The work handle of one HSDP gradient reduction: ``wait()`` waits for the reduce-scatter in the shard
     group, then all-reduces the gradient shard across the replicate group (sum, then / R: with the
-    reduce-scatter's mean over S, the mean over all R x S ranks). Task 6 keeps it among its pending
+    reduce-scatter's mean over K, the mean over all R x K ranks). Task 6 keeps it among its pending
     reduce-scatters and calls ``wait()`` before it reads the shard, so the all-reduce always follows."""
 
     def __init__(self, work, grad_shard: torch.Tensor, replicate_group: dist.ProcessGroup):

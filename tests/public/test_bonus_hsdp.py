@@ -1,4 +1,4 @@
-"""Bonus (HSDP): ``fully_shard(module, mesh=init_device_mesh("cpu", (R, S)))`` on a 2-D mesh, FSDP2's convention:
+"""Bonus (HSDP): ``fully_shard(module, mesh=init_device_mesh("cpu", (R, K)))`` on a 2-D mesh, FSDP2's convention:
 mesh dim 0 replicates, dim 1 shards. Graded as bonus points (tests/points.py, BONUS_POINTS), apart from the 100.
 
 One run per mesh configuration, each rank training torch's FSDP2 on the same mesh first, then yours on counted
@@ -8,12 +8,12 @@ and off for the degenerate meshes (the synchronous one). The parent checks, agai
 - training (3 SGD steps with momentum and ``clip_grad_norm_``) gives the single process's parameters within 1e-6,
   and so does FSDP2 on the same mesh; the global gradient norms are the single process's (replicas are not
   counted twice);
-- each rank holds the shard of its place in the shard group (shard rank = rank % S): model state per rank is
-  that of an S-way shard (parameters and optimizer state), whatever R is;
-- communication per rank and step, exactly: all-gathers and reduce-scatters of S ranks only (each unit's padded
+- each rank holds the shard of its place in the shard group (shard rank = rank % K): model state per rank is
+  that of a K-way shard (parameters and optimizer state), whatever R is;
+- communication per rank and step, exactly: all-gathers and reduce-scatters of K ranks only (each unit's padded
   gradient reduce-scattered once), and one all-reduce per unit across the R replicas of its gradient shard (none
-  when R = 1); in bytes, the handout's formulas: all-gathers 2 (S-1)/S P, reduce-scatter (S-1)/S G, all-reduce
-  2 (R-1)/R G/S (P = G = the padded parameter bytes);
+  when R = 1); in bytes, the handout's formulas: all-gathers 2 (K-1)/K P, reduce-scatter (K-1)/K G, all-reduce
+  2 (R-1)/R G/K (P = G = the padded parameter bytes);
 - ``gather_full_params``, the full model and optimizer state dicts, and loading a full state dict into a fresh
   HSDP model, all across the whole mesh.
 """
@@ -119,7 +119,7 @@ def _hsdp_runs(rank, world_size, shapes, prefetch):
         adapters.set_model_state_dict(fresh, full[0], full=True)
         got["reloaded"] = {n: t.detach().cpu() for n, t in adapters.gather_full_params(fresh).items()}
         # Units over two different groups (the blocks on this mesh, the root on the default group): clipping has
-        # no one group to all-reduce over and must refuse (clip_grad_norm_'s ValueError). Only with R, S > 1:
+        # no one group to all-reduce over and must refuse (clip_grad_norm_'s ValueError). Only with R, K > 1:
         # a degenerate mesh's shard group may be the default group itself.
         if min(shape) == 1:
             continue
@@ -151,7 +151,7 @@ def _single_process(world_size):
     return model, optim, norms
 
 
-def _check_communication(calls, padded, R, S, where):
+def _check_communication(calls, padded, R, K, where):
     """Exactly what HSDP communicates per rank (see the module docstring), and the handout's byte formulas."""
     grads = [c for c in calls if c["kind"] in ("reduce_scatter", "all_reduce") and c["numel"] > 1]
     kinds = sorted({c["kind"] for c in calls} - {"all_gather", "reduce_scatter", "all_reduce", "barrier"})
@@ -159,43 +159,43 @@ def _check_communication(calls, padded, R, S, where):
                       f"all-reduces only"
     gathers = [c for c in calls if c["kind"] == "all_gather"]
     sizes = sorted({c["group_size"] for c in gathers + [c for c in calls if c["kind"] == "reduce_scatter"]})
-    assert sizes == [S], f"{where}: all-gathers and reduce-scatters ran on groups of {sizes} ranks; with mesh " \
-                         f"({R}, {S}) they belong in the shard group ({S} ranks, mesh dim 1)"
+    assert sizes == [K], f"{where}: all-gathers and reduce-scatters ran on groups of {sizes} ranks; with mesh " \
+                         f"({R}, {K}) they belong in the shard group ({K} ranks, mesh dim 1)"
     rs = sorted(c["numel"] for c in grads if c["kind"] == "reduce_scatter")
     assert rs == sorted(list(padded.values()) * STEPS), (
         f"{where}: reduce-scatters of {rs} elements in {STEPS} steps; expected each unit's padded gradient (padded "
-        f"to a multiple of S={S}) once a step: {sorted(padded.values())}")
+        f"to a multiple of K={K}) once a step: {sorted(padded.values())}")
     ar = sorted((c["group_size"], c["numel"]) for c in grads if c["kind"] == "all_reduce")
-    expected_ar = sorted([(R, n // S) for n in padded.values()] * STEPS) if R > 1 else []
+    expected_ar = sorted([(R, n // K) for n in padded.values()] * STEPS) if R > 1 else []
     assert ar == expected_ar, (
         f"{where}: gradient all-reduces (group size, elements) {ar}; expected one per unit and step across the "
-        f"{R} replicas (mesh dim 0) of the reduced gradient shard: {sorted({(R, n // S) for n in padded.values()})}"
+        f"{R} replicas (mesh dim 0) of the reduced gradient shard: {sorted({(R, n // K) for n in padded.values()})}"
         + (" x steps" if R > 1 else " (none: one replica)"))
     # Bytes per rank per step, as the handout's formulas count a ring collective of N (full) bytes.
     p_bytes = sum(padded.values()) * FP32_BYTES
-    ag = sum((S - 1) * c["numel"] * FP32_BYTES for c in gathers) / STEPS
+    ag = sum((K - 1) * c["numel"] * FP32_BYTES for c in gathers) / STEPS
     root = padded.get("", 0) * FP32_BYTES
-    allowed = {2 * (S - 1) / S * p_bytes, 2 * (S - 1) / S * p_bytes - (S - 1) / S * root}
+    allowed = {2 * (K - 1) / K * p_bytes, 2 * (K - 1) / K * p_bytes - (K - 1) / K * root}
     assert any(abs(ag - a) < 1e-6 * max(a, 1) for a in allowed), (
-        f"{where}: all-gather bytes per step {ag:.0f}; the formula 2 (S-1)/S P gives {max(allowed):.0f} (every unit "
+        f"{where}: all-gather bytes per step {ag:.0f}; the formula 2 (K-1)/K P gives {max(allowed):.0f} (every unit "
         f"in forward and again in backward; the root may skip its backward gather: {min(allowed):.0f})")
-    rs_bytes = sum((S - 1) / S * n * FP32_BYTES for n in rs) / STEPS
-    assert abs(rs_bytes - (S - 1) / S * p_bytes) < 1e-6 * max(p_bytes, 1), \
-        f"{where}: reduce-scatter bytes per step {rs_bytes:.0f}, the formula (S-1)/S G gives {(S - 1) / S * p_bytes:.0f}"
+    rs_bytes = sum((K - 1) / K * n * FP32_BYTES for n in rs) / STEPS
+    assert abs(rs_bytes - (K - 1) / K * p_bytes) < 1e-6 * max(p_bytes, 1), \
+        f"{where}: reduce-scatter bytes per step {rs_bytes:.0f}, the formula (K-1)/K G gives {(K - 1) / K * p_bytes:.0f}"
     ar_bytes = sum(2 * (g - 1) / g * n * FP32_BYTES for g, n in ar) / STEPS
-    assert abs(ar_bytes - 2 * (R - 1) / R * p_bytes / S) < 1e-6 * max(p_bytes, 1), (
-        f"{where}: all-reduce bytes per step {ar_bytes:.0f}, the formula 2 (R-1)/R G/S gives "
-        f"{2 * (R - 1) / R * p_bytes / S:.0f}")
+    assert abs(ar_bytes - 2 * (R - 1) / R * p_bytes / K) < 1e-6 * max(p_bytes, 1), (
+        f"{where}: all-reduce bytes per step {ar_bytes:.0f}, the formula 2 (R-1)/R G/K gives "
+        f"{2 * (R - 1) / R * p_bytes / K:.0f}")
 
 
 def _check_hsdp(results, shape, expected, optim, norms):
-    R, S = shape
-    W = R * S
+    R, K = shape
+    W = R * K
     full = full_params_of(expected)
-    padded = {k: -(-n // S) * S for k, n in unit_numels(expected, GPT_UNITS).items() if n}
+    padded = {k: -(-n // K) * K for k, n in unit_numels(expected, GPT_UNITS).items() if n}
     state_names = {id(p): n for n, p in expected.named_parameters()}
     for rank, per_shape in enumerate(results):
-        got, where = per_shape[_key(shape)], f"HSDP mesh ({R}, {S}), rank {rank}"
+        got, where = per_shape[_key(shape)], f"HSDP mesh ({R}, {K}), rank {rank}"
         for name, p in expected.named_parameters():
             assert_close(got["fsdp2"][name], p, f"{where}: torch FSDP2 on the same mesh, {name} after {STEPS} steps "
                          f"(vs single process)", rtol=RTOL)
@@ -218,18 +218,18 @@ def _check_hsdp(results, shape, expected, optim, norms):
         check_flat_params(got["flat"], expected, GPT_UNITS, where)
         for desc in got["flat"]:
             unit = desc["prefix"] or "<root>"
-            assert desc["shard_numel"] == padded[desc["prefix"]] // S and \
-                desc["shard_offset"] == (rank % S) * desc["shard_numel"], (
+            assert desc["shard_numel"] == padded[desc["prefix"]] // K and \
+                desc["shard_offset"] == (rank % K) * desc["shard_numel"], (
                 f"{where}: unit {unit} holds {desc['shard_numel']} elements at offset {desc['shard_offset']}; an "
-                f"S={S}-way shard (mesh dim 1 shards) holds {padded[desc['prefix']] // S} at offset "
-                f"{(rank % S) * (padded[desc['prefix']] // S)} (shard rank = rank % S)")
+                f"K={K}-way shard (mesh dim 1 shards) holds {padded[desc['prefix']] // K} at offset "
+                f"{(rank % K) * (padded[desc['prefix']] // K)} (shard rank = rank % K)")
             assert_close(desc["shard"], expected_shard(desc, full), f"{where}: shard of unit {unit}", rtol=RTOL)
-        per_rank = sum(padded.values()) // S
+        per_rank = sum(padded.values()) // K
         assert sum(got["shard_numels"]) == per_rank and sum(got["optim_state_numels"]) == per_rank, (
             f"{where}: model state per rank: {sum(got['shard_numels'])} parameter and "
-            f"{sum(got['optim_state_numels'])} momentum elements; an S={S}-way shard holds {per_rank} of each "
+            f"{sum(got['optim_state_numels'])} momentum elements; a K={K}-way shard holds {per_rank} of each "
             f"(W={W} ranks, but replicas keep whole copies of their shard group's shards)")
-        _check_communication(got["train_calls"], padded, R, S, where)
+        _check_communication(got["train_calls"], padded, R, K, where)
         if rank == 0:
             for name, p in expected.named_parameters():
                 assert_close(got["model_sd"][name], p, f"{where}: full model state dict['{name}']", rtol=RTOL)
