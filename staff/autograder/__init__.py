@@ -7,7 +7,8 @@
     build_bundle.py     builds the Gradescope zip: setup.sh, run_autograder, the staff tree with the stubs and
                         the public and hidden tests; refuses to build if any of the reference is inside
     results_schema.py   checks a results.json against Gradescope's format (CI)
-    mutations.py        seeded bugs of the reference the suite must kill (CI; never shipped)
+    mutant_list.py      the seeded bugs of the reference (never shipped)
+    mutations.py        the self-test: the suite must kill every mutant of mutant_list.py (CI)
     mutant_grading.py   how a mutant is graded and what kills it (mutations.py and machine_mutants.py)
     zoo.py              broken submissions the grader must survive (CI; never shipped; zoo_forgeries.py,
                         zoo_hangs.py)
