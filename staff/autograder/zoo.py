@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import mutations  # noqa: E402
 import results_schema  # noqa: E402
-from zoo_forgeries import FORGE, ISSUE14_HELPERS, STUB_FORGERY  # noqa: E402
+from zoo_forgeries import FORGE, ISSUE14_HELPERS, RED_TEAM_HELPERS, STUB_FORGERY  # noqa: E402
 from zoo_hangs import HANG_CASES, HangCase, hang_case_files, inject_at_start, run_hang_case  # noqa: E402,F401
 
 ROOT = HERE.parents[1]
@@ -217,69 +217,6 @@ CASES: list[Case] = [
          select=f"{CLIP} or {TIED_2}", broken=(CLIP,), fine=(TIED_2,), needs_rank_user=True,
          message=r"were all killed: together they used"),
 ]
-
-
-RED_TEAM_HELPERS = '''
-
-def _zoo_deep_tree():
-    """Zoo (issue 25): a 1,500-deep folder tree under /tmp, once a process."""
-    import os as _os
-    if _os.environ.get("_ZOO_DEEP_TREE"):
-        return
-    _os.environ["_ZOO_DEEP_TREE"] = "1"
-    fd = _os.open("/tmp", _os.O_RDONLY | _os.O_DIRECTORY)
-    name = f"zoo-deep-{_os.getpid()}"
-    for _ in range(1500):
-        _os.mkdir(name, dir_fd=fd)
-        child = _os.open(name, _os.O_RDONLY | _os.O_DIRECTORY, dir_fd=fd)
-        _os.close(fd)
-        fd, name = child, "d"
-    _os.close(fd)
-
-
-def _zoo_daemon():
-    """Zoo (issue 25): rank 0 leaves a daemon that, once the rank has ended, SIGKILLs every process of its user
-    for two minutes (kill(-1) as an unprivileged user: only that user's processes). Never as root."""
-    import os as _os, signal as _signal, time as _time
-    if _os.environ.get("_ZOO_DAEMON") or dist.get_rank() != 0 or _os.getuid() == 0:
-        return
-    _os.environ["_ZOO_DAEMON"] = "1"
-    rank = _os.getpid()
-    if _os.fork() == 0:
-        _os.setsid()
-        if _os.fork() == 0:
-            try:
-                while _os.path.exists(f"/proc/{rank}"):
-                    _time.sleep(0.01)
-                end = _time.monotonic() + 120
-                while _time.monotonic() < end:
-                    try:
-                        _os.kill(-1, _signal.SIGKILL)
-                    except OSError:
-                        pass
-                    _time.sleep(0.005)
-            finally:
-                _os._exit(0)
-        _os._exit(0)
-    _os.waitpid(-1, 0)
-
-
-def _zoo_hidden_shm():
-    """Zoo (issue 25): 1.2 GiB in files without a name (memfd, or /dev/shm files unlinked at once), held."""
-    import os as _os, time as _time
-    fds = []
-    for i in range(6):
-        try:
-            fd = _os.memfd_create("zoo")
-        except OSError:  # refused in a graded rank (seccomp)
-            path = f"/dev/shm/zoo-{_os.getpid()}-{i}"
-            fd = _os.open(path, _os.O_RDWR | _os.O_CREAT | _os.O_EXCL, 0o600)
-            _os.unlink(path)
-        for _ in range(20):
-            _os.write(fd, b"x" * (10 << 20))
-        fds.append(fd)
-    _time.sleep(30)  # while the grader counts
-'''
 
 
 def stub_files(root: Path = ROOT) -> dict[str, str]:
