@@ -308,7 +308,8 @@ def main(argv=None) -> dict:
             ax.set_ylabel("ms per step")
             ax.set_title(ic, fontsize=10)
             ax.grid(axis="y", alpha=0.3)
-        axes[0][0].legend(fontsize=7, loc="upper left", framealpha=0.9)
+        if axes[0][0].get_legend_handles_labels()[0]:  # nothing to label where no rank communicates (W=1)
+            axes[0][0].legend(fontsize=7, loc="upper left", framealpha=0.9)
         fig.suptitle(f"Step time and communication, GPT {trainers.param_count(cfg) / 1e6:.1f}M params, batch "
                      f"{args.batch}x{args.block_size} per rank", fontsize=10)
         fig.tight_layout()

@@ -89,12 +89,16 @@ class Trainer:
 
 
 def build_trainer(name: str, cfg, batch: int, device: torch.device, meter: CommMeter | None = None,
-                  lr: float = 1e-3, count_ddp: bool = False) -> Trainer:
+                  lr: float = 1e-3, count_ddp: bool = False, foreach: bool | None = None) -> Trainer:
     """Build the benchmark GPT under strategy ``name`` (a key of STRATEGIES) with the same seed everywhere.
 
     DDP is stock ``DistributedDataParallel`` (its C++ reducer and default all-reduce; gradient_as_bucket_view so
     that .grad are views of its buckets). Only ``count_ddp=True`` (bench_comm's byte counts, never a timing) gives it
-    a communication hook that routes each bucket through ``dist.all_reduce``, where ``meter`` can count it."""
+    a communication hook that routes each bucket through ``dist.all_reduce``, where ``meter`` can count it.
+
+    ``foreach`` goes to AdamW: None lets torch choose (the per-parameter loop on a CPU, the foreach kernels on a
+    GPU, which a timing wants); bench_memory passes False, because the foreach kernels hold a temporary as large as
+    the moments during the step, which the memory model does not count."""
     from fsdp_assignment.support.models import GPT
 
     family, opt = STRATEGIES[name]
@@ -142,9 +146,9 @@ def build_trainer(name: str, cfg, batch: int, device: torch.device, meter: CommM
     if family in ("fsdp", "hsdp"):
         import adapters
 
-        optimizer = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=lr)
+        optimizer = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=lr, foreach=foreach)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=foreach)
     return Trainer(name, model, optimizer, cfg, batch, device)
 
 

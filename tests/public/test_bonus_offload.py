@@ -33,7 +33,9 @@ CFG = GPTConfig()
 OPTIM = dict(lr=0.1, momentum=0.9, weight_decay=0.01)
 MAX_NORM = 0.5  # below the gradient norms (about 7): clipping really scales
 STEPS = 3
-RTOL = 1e-6
+# Against the single process on this CPU: 1e-6 where the ranks compute on a CPU too (gloo), 1e-5 where they
+# compute on a GPU (nccl): its kernels sum in another order (on an H200, 1.6e-6 was seen after 3 steps).
+RTOL = {"gloo": 1e-6, "nccl": 1e-5}
 
 
 def _shard_gpt(model, shard, **kwargs):
@@ -123,11 +125,11 @@ def _check(results, cfg, world_size, backend):
         where = f"CPU offload, {backend}, W={world_size}, rank {rank}"
         for name, p in expected.named_parameters():
             assert_close(got["ours"][name], p, f"{where}: {name} after {STEPS} SGD steps (vs single process)",
-                         rtol=RTOL)
+                         rtol=RTOL[backend])
             assert_close(got["fsdp2"][name], p, f"{where}: torch FSDP2 with CPUOffloadPolicy, {name} (vs single "
-                         f"process)", rtol=RTOL)
+                         f"process)", rtol=RTOL[backend])
         for step, (a, b) in enumerate(zip(got["norms"], norms)):
-            assert abs(a - b) <= RTOL * b, f"{where}: clip_grad_norm_ at step {step} returned {a:.7g}, expected {b:.7g}"
+            assert abs(a - b) <= RTOL[backend] * b, f"{where}: clip_grad_norm_ at step {step} returned {a:.7g}, expected {b:.7g}"
         for what in ("shard", "grad", "state"):
             assert got[f"{what}_devices"] == ["cpu"], (
                 f"{where}: with CPUOffloadPolicy the {what}s must live on the CPU; they are on {got[f'{what}_devices']}")
