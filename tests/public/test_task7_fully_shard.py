@@ -138,7 +138,7 @@ def witness_bounds(cfg: GPTConfig, world_size: int) -> Witness:
     sending its shard to W-1 peers, and every full gradient reduce-scattered, each rank sending W-1 of its W
     chunks. Peak memory above the body's start: the shards of the parameters and of their gradients (2Ψ/W),
     plus eleven blocks' full parameters for what is alive at once (the unit computing, the one prefetched, full
-    gradients, the collectives' buffers: the reference peaks near 6, PyTorch's fully_shard near 8.3; never
+    gradients, the collectives' buffers: the staff's solution peaks near 6, PyTorch's fully_shard near 8.3; never
     freeing a unit makes it 13.7)."""
     with torch.device("meta"):
         model = GPT(cfg)

@@ -176,7 +176,7 @@ def test_ci_runs_the_readmes_own_commands():
     ci_installs = [re.sub(r"\s--(quiet|disable-pip-version-check)\b", "", line) for line in ci if "pip install" in line]
     assert any(line.startswith(head.strip()) and line.endswith(args.strip()) for line in ci_installs), \
         f".ci/run does not run the README's install line `{install}`: {ci_installs}"
-    # (report flags after it allowed: .ci/run adds --durations for docs/ci_durations.md)
+    # (report flags after it allowed: .ci/run adds --durations for staff/ci_durations.md)
     assert any(line == test or line.startswith(test + " --durations") for line in ci), \
         f".ci/run does not run the README's test command `{test}`"
 
