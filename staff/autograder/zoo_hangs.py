@@ -136,6 +136,8 @@ def run_hang_case(case: HangCase, workdir: Path, *, timeout: float = 540, root: 
                             f"(it passed with the branch raising): {why}")
         else:
             on_merit.append(t["name"])
+    if not lost.get(case.task):
+        problems.append(f"the hang in {hung} cost Task {case.task} nothing: no test that calls it failed")
     if survivors:
         problems.append(f"processes survived: {survivors}")
     if "has not finished" in data.get("output", ""):

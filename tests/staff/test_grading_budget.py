@@ -293,18 +293,29 @@ def test_a_task_that_loses_its_share_to_hangs_runs_no_more_tests(tmp_path):
 
 
 # ---- real hanging submissions, graded in full (slow: whole grading runs) -------------------------------------
+# CI grades one: hang_task4, a deadlock (rank 0 alone calls a collective) inside backward, the case a student
+# meets most. The other three (hang_task1, hang_task6, and hang_branch, which grades twice) cost about 15 of CI's
+# minutes and go through the same code: `python staff/autograder/zoo.py --hangs` grades all four with the same
+# checks (README, "Staff commands outside CI"); the fake-tree tests above cover the probe and budget logic.
+CI_HANG_CASES = ["hang_task4"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("case", ["hang_task1", "hang_task4", "hang_task6", "hang_branch"])
+@pytest.mark.parametrize("case", CI_HANG_CASES)
 def test_a_hanging_submission_loses_only_the_tests_that_reach_the_hang(case, tmp_path):
     """The reference with one hang put in (zoo.HANG_CASES), graded like Gradescope (540 s, budget 480 s): every
-    test that lost points calls the hung function (so it lost them on the merits, not to the budget), and the
-    run ends by itself. hang_branch hangs only in one branch of post_forward, which nearly every test calls: it
-    must cost only the tests that take the branch (those that fail when the branch raises instead), so the tests
-    after the first hang run as probes and keep their points. `python staff/autograder/zoo.py --hangs` prints
-    the scores."""
+    test that lost points calls the hung function (so it lost them on the merits, not to the budget), the hang
+    cost its task points, and the run ends by itself with no process left. `python staff/autograder/zoo.py
+    --hangs` grades every case (hang_branch too: a hang in one branch of post_forward must cost only the tests
+    that take the branch) and prints the scores."""
     import zoo
     result = zoo.run_hang_case(next(c for c in zoo.HANG_CASES if c.id == case), tmp_path)
     assert not result["problems"], "\n".join(result["problems"]) + "\n" + result["summary"]
-    task = next(c for c in zoo.HANG_CASES if c.id == case).task
-    assert result["lost_by_task"].get(task, 0) > 0, f"the hang in {case} cost nothing:\n{result['summary']}"
+
+
+def test_the_hang_cases_outside_ci_exist():
+    """What CI leaves to `zoo.py --hangs` is there to run: every case id is known, and CI's are among them."""
+    import zoo
+    ids = [c.id for c in zoo.HANG_CASES]
+    assert set(CI_HANG_CASES) <= set(ids) and {"hang_task1", "hang_task6", "hang_branch"} <= set(ids), ids
