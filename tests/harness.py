@@ -181,15 +181,19 @@ class Witness:
     sent_bytes: how many bytes each rank may write in all (``wchar`` in /proc/<pid>/io counts every write,
     gloo's socket writes from its own threads included), less its report to the parent and its output file,
     with WITNESS_SETUP_SENT_BYTES for joining the process group.
-    deferred: check only when the test calls ``check()`` (after its own asserts on what the ranks reported, so
-    that an honest failure is explained by them; a lie that passes them is caught here, and the kernel wins).
+    deferred: check only when the test calls ``check()``, after its own asserts on what the ranks reported, and
+    whether they passed or not (``check(reported=...)`` then adds their failure to the message): the kernel is
+    asked in every run, and a failure it finds is a "witness" failure, which the grader carries to every test that
+    decides the same property from the ranks' reports (staff/autograder/grading_plugin.py, refute).
     """
 
     def __init__(self, *, peak_bytes: int | None = None, sent_bytes: int | None = None, deferred: bool = False):
         self.peak_bytes, self.sent_bytes, self.deferred = peak_bytes, sent_bytes, deferred
         self.measured: list[dict] = []
 
-    def check(self) -> None:
+    def check(self, reported: str = "") -> None:
+        """Raise RankFailure (kind "witness") when a rank broke a bound; ``reported``: how the test's own checks
+        of the ranks' reports failed, if they did (added to the message)."""
         __tracebackhide__ = True
         problems = []
         for m in self.measured:
@@ -220,7 +224,8 @@ class Witness:
             raise RankFailure(
                 "the kernel's witness disagrees with this run: " + "; ".join(problems) + ". The kernel's counts "
                 "decide: whatever the rank's own counters, monitor or memory tracker reported, they cannot overrule "
-                "them.", kind="witness", rank=int(problems[0].split(":")[0].split()[1]))
+                "them." + (f"\n\nWhat the ranks reported failed the test's checks too:\n{reported}" if reported else ""),
+                kind="witness", rank=int(problems[0].split(":")[0].split()[1]))
 
 
 def _mib(n: int) -> str:

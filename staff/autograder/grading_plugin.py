@@ -100,6 +100,7 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "weight(n): a graded test's weight within its task (tests/points.py)")
     config.addinivalue_line("markers", "bonus(name): a bonus test, graded apart from the 100 (tests/points.py)")
+    config.addinivalue_line("markers", "evidence(*what): the test decides memory or bytes from the ranks' reports")
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(Grader(config), "fsdp-grader")
 
@@ -134,6 +135,7 @@ class Grader(Selection, ResultsJson):
             self.memory_watch = MemoryWatch(self.rank_uid, int(student_limit), list(self.shared_places),
                                             kill_everything_of)
         self.limits = TimeLimits(config, self.budget)
+        self.refuted: dict[str, str] = {}  # "memory"/"bytes" -> why (the test whose kernel witness refuted it)
     def clean(self, text: str) -> str:
         """Text from the submission as results.json may show it (sanitize, below)."""
         return sanitize(text)
@@ -195,12 +197,42 @@ class Grader(Selection, ResultsJson):
                 rec.failed_phase = report.when
                 rec.failure = failure_text(call.excinfo, report, rec.task)
             if call.excinfo is not None:
+                self.refute(rec, call.excinfo.value)
                 hung = self.limits.record_failure(item.nodeid, rec.name, call.excinfo.value)
                 if hung:
                     rec.notes.append(f"note: {' and '.join(hung)} hung here: later tests that call "
                                      f"{'it' if len(hung) == 1 else 'them all'} run with a shorter time limit "
                                      f"(a probe), and once {HANG_CONFIRMATIONS} test functions hung with none "
                                      f"passing, the rest are reported as not run at once")
+
+    def refute(self, rec: Record, exc: BaseException) -> None:
+        """A kernel witness failed (harness RankFailure, kind "witness"): the ranks' resident memory or the bytes
+        they wrote disagree with the test's bound. The ranks' own reports of that property (storage sizes, the
+        memory tracker, the monitor; the collective counter) can no longer be believed in this run, and they are
+        the student's process to rewrite: every graded test that decides the property from them (marker
+        evidence) fails, before or after this one. A lie then earns nothing: a submission that hides a defect
+        from the reports loses what the same defect told honestly loses (staff/autograder/lies.py)."""
+        if type(exc).__name__ != "RankFailure" or getattr(exc, "kind", None) != "witness":
+            return
+        text = str(exc)
+        found = {"memory"} if "resident memory" in text else set()
+        found |= {"bytes"} if "bytes written" in text else set()
+        for what in sorted(found or {"memory", "bytes"}):  # counters hidden or a rank gone: neither stands
+            if what in self.refuted:
+                continue
+            self.refuted[what] = rec.name
+            why = (f"failed: the kernel's witness in {rec.name} refuted what this submission's ranks report about "
+                   f"{'their memory' if what == 'memory' else 'the bytes they send'}, and this test decides that "
+                   f"from those reports. The kernel's count stands for every such test (a defect hidden from "
+                   f"the reports loses what it loses told honestly); see that test's output. Staff review this "
+                   f"run.")
+            self.notes.append(f"the kernel's witness refuted the ranks' reports of "
+                              f"{'memory' if what == 'memory' else 'bytes sent'} in {rec.name}: the tests that "
+                              f"decide it from them score 0")
+            for other in self.records.values():
+                if what in other.evidence and not other.refuted and other is not rec:
+                    other.refuted = why
+        self.write()
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_teardown(self, item, nextitem) -> None:

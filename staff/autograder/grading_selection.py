@@ -60,6 +60,17 @@ def backend_of(item) -> str | None:
     return callspec.params.get("backend") if callspec is not None else None
 
 
+EVIDENCE = ("memory", "bytes")
+
+
+def evidence_of(item) -> frozenset[str]:
+    """The properties a test decides from what the ranks report (``@pytest.mark.evidence("memory", "bytes")``)."""
+    found = set()
+    for mark in item.iter_markers("evidence"):
+        found.update(a for a in mark.args if a in EVIDENCE)
+    return frozenset(found)
+
+
 class Record:
     """One graded test, as results.json will show it."""
 
@@ -74,10 +85,14 @@ class Record:
         self.call_passed = False
         self.duration = 0.0
         self.notes: list[str] = []
+        # What the test's verdict rests on that the ranks report about themselves (marker evidence("memory",
+        # "bytes")), and why the kernel's witness refuted it in this run ("" while it stands): see Grader.refute.
+        self.evidence = evidence_of(item)
+        self.refuted = ""
 
     @property
     def passed(self) -> bool:
-        return self.state == "done" and self.call_passed and self.failed_phase is None
+        return self.state == "done" and self.call_passed and self.failed_phase is None and not self.refuted
 
     @property
     def name(self) -> str:

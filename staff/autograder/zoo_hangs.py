@@ -88,12 +88,13 @@ def hang_case_files(case: HangCase, root: Path = ROOT, *, twin: bool = False) ->
     return files
 
 
-def _grade_files(files: dict[str, str], tree: Path, results: Path, timeout: float, root: Path) -> tuple:
+def _grade_files(files: dict[str, str], tree: Path, results: Path, timeout: float, root: Path,
+                 pytest_args: list[str] | None = None) -> tuple:
     from zoo import TAG_VAR, kill_tagged, tagged_processes  # (zoo.py imports this module: no circle at load)
     mutations.stage_tree(tree, files, root)
     tag = uuid.uuid4().hex
     cmd = [sys.executable, str(tree / "staff" / "autograder" / "grade.py"), "--results", str(results),
-           "--rank-user", "none", "--timeout", f"{timeout:g}"]
+           "--rank-user", "none", "--timeout", f"{timeout:g}"] + (["--", *pytest_args] if pytest_args else [])
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=tree, env=dict(os.environ, **{TAG_VAR: tag}), capture_output=True, text=True)
     seconds = time.monotonic() - start

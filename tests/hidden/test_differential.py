@@ -55,6 +55,7 @@ def graded_configs() -> list[dict]:
 
 
 @pytest.mark.weight(3)
+@pytest.mark.evidence("bytes", "memory")
 def test_generated_scripts_match_torch_fsdp2():
     configs = graded_configs()
     ours = run_ranks(ours_body, WORLD_SIZE, configs, timeout=240)

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.task3
 
 
 @pytest.mark.weight(3)
+@pytest.mark.evidence("memory")
 def test_reshard_really_frees_memory():
     for rank, got in enumerate(run_ranks(_memory, 2)):
         slack = min(got["block_bytes"]) // 2  # less than one block's full parameters

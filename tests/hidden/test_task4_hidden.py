@@ -32,6 +32,7 @@ MULTI_UNITS = ["two.", ""]
 
 
 @pytest.mark.weight(3)
+@pytest.mark.evidence("memory")
 def test_gradients_accumulate_over_backward_passes():
     world_size = 3
     results = run_ranks(_two_backwards, world_size, timeout=30)
@@ -83,6 +84,7 @@ def test_gradients_accumulate_over_backward_passes():
 
 
 @pytest.mark.weight(3)
+@pytest.mark.evidence("memory")
 def test_backward_really_frees_full_parameters_and_gradients():
     for rank, got in enumerate(run_ranks(_backward_memory, 2)):
         slack = min(got["block_bytes"]) // 2  # less than one block's full parameters
@@ -116,6 +118,7 @@ def test_eval_under_no_grad_then_train():
 
 
 @pytest.mark.weight(2)
+@pytest.mark.evidence("memory")
 def test_frozen_embedding_and_a_fully_frozen_unit():
     """LoRA-style blocks behind a frozen embedding (the first block's input needs no gradient, so autograd never
     reaches its inputs) with one block frozen entirely (no gradient at all): nothing hangs, adapter gradients and
@@ -124,6 +127,7 @@ def test_frozen_embedding_and_a_fully_frozen_unit():
     check_lora(run_ranks(lora_run, world_size, 4, False, True, 2), world_size, freeze_embedding=True, frozen_block=2)
 
 
+@pytest.mark.evidence("memory")
 def test_unit_run_twice_and_detached_output():
     """Neither hangs nor stays unsharded: the unit run twice gets the sum of both runs' gradients, the unit whose
     output was detached gets none (or zeros), and every unit is resharded when backward returns."""

@@ -38,6 +38,7 @@ def _train_reordered_single_process(world_size, orders=ORDERS):
 
 
 @pytest.mark.weight(3)
+@pytest.mark.evidence("memory")
 def test_prefetch_gathers_each_unit_once_and_finishes_every_reduction():
     n = CFG.n_layer
     for rank, got in enumerate(run_ranks(_both, 3)):
@@ -66,6 +67,7 @@ def test_prefetch_gathers_each_unit_once_and_finishes_every_reduction():
 
 
 @pytest.mark.weight(3)
+@pytest.mark.evidence("memory")
 def test_prefetch_follows_a_changed_order_and_frees_units_that_never_run():
     world_size = 2
     expected = _train_reordered_single_process(world_size)
@@ -114,6 +116,7 @@ def test_prefetch_follows_a_changed_order_and_frees_units_that_never_run():
 
 
 @pytest.mark.weight(1)
+@pytest.mark.evidence("memory")
 def test_prefetch_with_a_block_run_twice_keeps_two_units_unsharded():
     """Block 0 runs again after block 3 (blocks 0-3-... of 4): the unit after it in the recorded order (block 1) has
     already run in this forward, so prefetching it now would keep it unsharded, unused, through the backward of
@@ -137,6 +140,7 @@ def test_prefetch_with_a_block_run_twice_keeps_two_units_unsharded():
 
 
 @pytest.mark.weight(2)
+@pytest.mark.evidence("memory")
 def test_prefetch_with_frozen_embedding_and_a_fully_frozen_unit():
     """As Task 4's hidden LoRA test, with prefetching on: the first block's input needs no gradient and one block
     has no trainable parameter; at most two non-root units unsharded, gradients and one AdamW step as one process."""

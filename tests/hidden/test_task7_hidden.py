@@ -101,6 +101,7 @@ def test_mixed_precision_gathers_and_reduces_in_the_right_dtypes():
 
 
 @pytest.mark.weight(3)
+@pytest.mark.evidence("bytes", "memory")
 def test_gradient_accumulation_over_two_steps_with_prefetch():
     world_size, steps, micro_batches = 2, 2, 2
     results = run_ranks(_accumulate, world_size, steps, micro_batches)
@@ -128,6 +129,7 @@ def test_gradient_accumulation_over_two_steps_with_prefetch():
 
 
 @pytest.mark.weight(2)
+@pytest.mark.evidence("memory")
 def test_reshard_after_forward_false_via_fully_shard():
     world_size = 2
     results = run_ranks(_no_reshard, world_size)

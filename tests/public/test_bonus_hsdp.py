@@ -243,6 +243,7 @@ def _check_hsdp(results, shape, expected, optim, norms):
 
 
 @pytest.mark.weight(4)
+@pytest.mark.evidence("bytes")
 def test_hsdp_2x2_trains_like_one_process_and_fsdp2():
     shape, world_size = (2, 2), 4
     results = run_ranks(_hsdp_runs, world_size, [shape], True, timeout=180)
@@ -251,6 +252,7 @@ def test_hsdp_2x2_trains_like_one_process_and_fsdp2():
 
 
 @pytest.mark.weight(2)
+@pytest.mark.evidence("bytes")
 def test_hsdp_degenerate_meshes_4x1_and_1x4():
     """4x1: four replicas of an unsharded model (DDP-like: all-gathers and reduce-scatters of one rank); 1x4:
     one replica sharded four ways (FSDP: no all-reduce at all)."""

@@ -92,6 +92,7 @@ def _views_and_free(rank, world_size):
             "freed": fp.unsharded.untyped_storage().size()}
 
 
+@pytest.mark.evidence("memory")
 def test_views_alias_the_flat_buffer_and_free_releases_storage():
     (got,) = run_ranks(_views_and_free, 1)
     assert got["allocated"] == got["padded_numel"] * got["itemsize"], "alloc_unsharded must allocate padded_numel elements"

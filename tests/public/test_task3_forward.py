@@ -32,6 +32,7 @@ def _unshard(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.evidence("memory")
 def test_unshard_gathers_every_rank_shard_and_reshard_frees(backend, world_size):
     results = run_ranks(_unshard, world_size, backend=backend)
     torch.manual_seed(0)
@@ -58,6 +59,7 @@ def _forward(rank, world_size, reshard_after_forward):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.evidence("memory")
 def test_forward_matches_single_process(world_size, reshard_after_forward):
     results = run_ranks(_forward, world_size, reshard_after_forward)
     cfg = GPTConfig()

@@ -67,6 +67,7 @@ GPT_UNITS = [f"blocks.{i}." for i in range(GPTConfig().n_layer)] + [""]  # hand_
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.evidence("bytes", "memory")
 def test_gradient_shards_match_single_process(backend, world_size):
     results = run_ranks(_gpt_backward, world_size, True, backend=backend)
     cfg = GPTConfig()
@@ -76,6 +77,7 @@ def test_gradient_shards_match_single_process(backend, world_size):
     _check_grad_shards(results, model, GPT_UNITS, _single_process_grads(model, gpt_loss(model, idx, tgt)))
 
 
+@pytest.mark.evidence("bytes", "memory")
 def test_gradients_without_reshard_after_forward():
     results = run_ranks(_gpt_backward, 2, False)
     cfg = GPTConfig()
@@ -96,6 +98,7 @@ def _toy_backward(rank, world_size):
             "full_grads_alive": []}
 
 
+@pytest.mark.evidence("memory")
 def test_nested_frozen_and_unused_parameters():
     world_size = 3
     results = run_ranks(_toy_backward, world_size, timeout=30)
@@ -207,6 +210,7 @@ def check_lora(results, world_size, prefetch=False, freeze_embedding=False, froz
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.evidence("memory")
 def test_frozen_base_weights_are_resharded_at_each_units_backward(world_size):
     """LoRA-style blocks (frozen base + trainable adapter): adapter gradients equal one process, one non-root
     unit unsharded at any sampled moment of backward (the one computing), none after it, one AdamW step matches."""
@@ -300,6 +304,7 @@ def check_checkpointing(results, world_size, prefetch=False):
                     f"after it costs a second all-gather of the same unit (Task 4, BackwardHooks.post_forward)")
 
 
+@pytest.mark.evidence("memory")
 def test_activation_checkpointing_matches_single_process():
     """torch.utils.checkpoint around each unit and around a block inside a unit (reentrant or not, with and
     without early stop): gradients equal one process, units unsharded stay bounded during recomputation, each unit

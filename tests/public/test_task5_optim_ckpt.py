@@ -59,6 +59,7 @@ def _optimizer_state(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.evidence("bytes", "memory")
 def test_optimizer_state_is_sharded_and_one_adamw_step_matches(world_size):
     results = run_ranks(_optimizer_state, world_size)
     expected = train_single_process(CFG, world_size, 1, torch.optim.AdamW, lr=1e-2, eps=ADAM_EPS)

@@ -50,6 +50,7 @@ def _bitwise(rank, world_size):
     return {**out, "monitors": reports}
 
 
+@pytest.mark.evidence("bytes", "memory")
 def test_prefetch_changes_no_number():
     model = GPT(CFG)
     for rank, got in enumerate(run_ranks(_bitwise, 2)):
@@ -130,6 +131,7 @@ def _trace(rank, world_size):
     return {"events": events, "max_unsharded": max(unsharded_counts)}
 
 
+@pytest.mark.evidence("bytes", "memory")
 def test_prefetch_order_and_at_most_two_units_unsharded():
     n = CFG.n_layer
     for rank, got in enumerate(run_ranks(_trace, 2)):
@@ -171,12 +173,14 @@ def test_prefetch_order_and_at_most_two_units_unsharded():
 
 # ---- Frozen units (LoRA) and activation checkpointing, with prefetching (Task 4's bodies, Task 6's hooks) ----
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.evidence("memory")
 def test_prefetch_with_frozen_base_weights(world_size):
     """LoRA-style blocks with prefetching on: adapter gradients and one AdamW step equal one process; at most two
     non-root units unsharded (the one computing and the one prefetched) at any sampled moment; none after."""
     check_lora(run_ranks(lora_run, world_size, 6, True), world_size, prefetch=True)
 
 
+@pytest.mark.evidence("memory")
 def test_prefetch_with_activation_checkpointing():
     """Activation checkpointing (around each unit, around a block inside a unit) with prefetching on: gradients
     equal one process, at most two non-root units unsharded, recomputation included: a forward that runs during

@@ -10,7 +10,9 @@ memory tracker, the collective counters, the invariant monitor. Two such lies us
 
 Each is played here twice on top of the reference, honestly and with its lie, through the graded test that
 decides it (Task 7's ``test_units_are_resharded_after_forward_and_backward``): the honest bug fails on what the
-ranks report, the lying one passes that and fails on what the kernel saw, so the lie earns nothing. The same
+ranks report and on what the kernel saw, the lying one passes the first and fails the second. Either way the
+failure is the kernel's, which the grader carries to every test that decides the same property from the ranks'
+reports, so the lie earns nothing (staff/autograder/lies.py grades both pairs in full). The same
 witness passes on torch's own ``fully_shard`` for the same model and step. (The variants are staff-only: they
 import the reference directly.)
 """
@@ -104,20 +106,26 @@ def _fsdp2_body(rank, world_size):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_a_lie_earns_nothing_the_kernel_witness_catches_it(variant):
-    # Told honestly: what the ranks report fails the graded test (the kernel is not needed).
+    what = "resident memory" if variant == "never frees" else "bytes written"
+    # Told honestly: what the ranks report fails the test's checks, and the kernel, asked either way, fails it too
+    # (a "witness" failure, whose message keeps the reports' failure).
     witness = witness_bounds(WITNESS_CFG, WORLD_SIZE)
     results = run_ranks(_graded_body, WORLD_SIZE, variant, False, witness=witness)
-    with pytest.raises(AssertionError) as honest:
+    with pytest.raises(RankFailure) as honest:
         check_memory_states(results, witness)
-    assert not isinstance(honest.value, RankFailure), f"{variant}, honest: {honest.value}"
-    # With the lie: the reports pass, the kernel's counts do not, and the failure says the kernel decided.
+    message = str(honest.value)
+    assert honest.value.kind == "witness" and what in message, message
+    assert "What the ranks reported failed the test's checks too" in message, message
+    # With the lie: the reports pass, the kernel's counts do not, and the failure says the kernel decided. The
+    # same kind of failure as the honest one, so the grader refutes the same tests' reports for both
+    # (staff/autograder/lies.py grades the pairs in full).
     witness = witness_bounds(WITNESS_CFG, WORLD_SIZE)
     results = run_ranks(_graded_body, WORLD_SIZE, variant, True, witness=witness)
     with pytest.raises(RankFailure) as lying:
         check_memory_states(results, witness)
     message = str(lying.value)
-    assert lying.value.kind == "witness" and "kernel" in message, message
-    assert ("resident memory" if variant == "never frees" else "bytes written") in message, message
+    assert lying.value.kind == "witness" and "kernel" in message and what in message, message
+    assert "What the ranks reported failed" not in message, message
 
 
 def test_the_witness_passes_on_torch_fsdp2():
