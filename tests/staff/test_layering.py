@@ -80,9 +80,12 @@ def release_tree(tmp_path_factory):
     return dest
 
 
+# Task 7's tests with Tasks 1..7 is every task implemented: the graded reference (tests/staff/conftest.py,
+# graded_reference: the release's zip of the reference's task files, graded through the bundle) runs exactly that,
+# so it is not run a second time here (a minute of CI).
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("n", sorted(TASK_MODULES))
+@pytest.mark.parametrize("n", sorted(TASK_MODULES)[:-1])
 def test_task_tests_pass_with_only_the_tasks_up_to_theirs(n, release_tree, tmp_path):
     dest = tmp_path / "tree"
     shutil.copytree(release_tree, dest)
