@@ -136,6 +136,7 @@ class Grader(Selection, ResultsJson):
                                             kill_everything_of)
         self.limits = TimeLimits(config, self.budget)
         self.refuted: dict[str, str] = {}  # "memory"/"bytes" -> why (the test whose kernel witness refuted it)
+
     def clean(self, text: str) -> str:
         """Text from the submission as results.json may show it (sanitize, below)."""
         return sanitize(text)
