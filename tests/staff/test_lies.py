@@ -60,8 +60,7 @@ def test_every_test_an_honest_twin_fails_is_reached_by_the_kernels_verdict():
         prop = PROPERTY[lie_id]
         assert entry["lying_score"] <= entry["honest_score"] + 1e-6, f"{lie_id}: the lie pays: {entry}"
         for side in ("honest", "lying"):
-            assert any(prop_word in line for line in entry[f"{side}_refuted"]
-                       for prop_word in (("memory",) if prop == "memory" else ("bytes",))), \
+            assert any(prop in line for line in entry[f"{side}_refuted"]), \
                 f"{lie_id}, {side}: the kernel's witness refuted nothing in the last full grading: {entry}"
         missing = []
         for name in entry["honest_failed"]:
