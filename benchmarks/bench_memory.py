@@ -32,7 +32,9 @@ The analytic model (per rank, fp32 parameters, AdamW), printed beside each measu
                  computed, plus one more block unit with prefetching (when there is one); all Ψ without reshard
                  after forward; 0 without sharding
     U_g        = unsharded gradients in flight: a block's gradient twice (autograd's per-parameter gradients and
-                 the flat buffer the reduce-scatter reads) and the tied head's gradient (vocab x n_embd)
+                 the flat buffer the reduce-scatter reads) and the tied head's gradient (vocab x n_embd); with
+                 prefetching once more: the reduce-scatter is asynchronous, and the previous block unit's flat
+                 gradient stays referenced until its reduce-scatter is finished, during this unit's backward
     U_end      = at the end of backward: the tied weight's dense embedding gradient and the sum accumulating it
                  (2·vocab·n_embd), plus under FSDP the root unit's full parameters and full gradient (every unit
                  is resharded after its own backward, with or without reshard after forward: the same U_end)
@@ -164,7 +166,10 @@ def analytic(name: str, w: int, cfg, activations: float) -> dict:
         # is still unsharded from its forward. U_end: every unit is resharded after its own backward (reshard
         # after forward or not), so at the end only the root's full parameters and gradient are left.
         u_p = n_root + n_block * min(2 if opt.get("prefetch") else 1, n_blocks) if opt.get("reshard", True) else psi
-        u_g, u_end = 2 * n_block + tied, 2 * n_root + 2 * tied
+        # U_g: with prefetching the previous unit's reduce-scatter is still in flight (Task 6: at most one), and
+        # its input, that unit's flat gradient, lives beside this unit's two copies.
+        u_g = (3 if opt.get("prefetch") else 2) * n_block + tied
+        u_end = 2 * n_root + 2 * tied
     start = 12 * s + activations + 4 * (u_p + u_g)
     end = 16 * s + 4 * u_end
     if family == "ddp":  # buckets hold the gradients from construction on

@@ -401,3 +401,7 @@ def test_the_memory_model_reshards_every_unit_after_its_backward():
         assert off["U_p"] == off["psi"] and on["U_g"] == off["U_g"]
         two = bench_memory.analytic("FSDP + prefetch, 2 blocks/unit", w, cfg, 0.0)
         assert two["n_block_unit"] == 2 * on["n_block_unit"] and two["n_block_units"] * 2 == on["n_block_units"]
+        # Prefetching adds a block unit to U_p (gathered ahead) and one to U_g (the previous unit's flat gradient,
+        # kept by its asynchronous reduce-scatter): the staff run measured two block units, where one was modelled.
+        pf = bench_memory.analytic("FSDP + prefetch", w, cfg, 0.0)
+        assert pf["U_p"] - on["U_p"] == pf["U_g"] - on["U_g"] == on["n_block_unit"]

@@ -9,8 +9,9 @@ Every model here follows one rule that Task 1 (meta-device init) relies on:
 
 torch's own layers (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``) already follow it.
 
-Sizes are deliberately awkward: no unit's parameter count divides by 3 or 4, so padding is exercised for
-every world size from 2 to 4.
+The tests' sizes are deliberately awkward: no unit's parameter count divides by 3 or 4, so padding is exercised
+for every world size from 2 to 4. The benchmarks' GPT (``GPTConfig`` at their default sizes) is not: its unit
+sizes divide by 4, so it has no padding at W = 2 or 4.
 """
 
 from __future__ import annotations

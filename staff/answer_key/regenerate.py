@@ -218,6 +218,19 @@ def values(results: Path) -> Values:
                   f"n_units (W - 1) = {n_units * (W - 1)})")
         else:
             v.add("Q2", f"q2_pad_w{W}", f"W S - Psi at W = {W}", "n/a (memory.json: no FSDP row)")
+    m = (rows.get(("FSDP", 2)) or rows.get(("FSDP", 4)) or {}).get("model")
+    if m:  # why the padding is what it is: each unit pads to a multiple of W on its own
+        sizes = {"n_root": m["n_root"], "n_block_unit": m["n_block_unit"]}
+        v.add("Q2", "q2_units", "the unit sizes, and their remainders mod 2 and 4",
+              "; ".join(f"{k} = {x:,} (mod 2: {x % 2}, mod 4: {x % 4})" for k, x in sizes.items()))
+        # Q12: the unsharded curve is in blocks' worth; the root unit is a fraction of a block
+        ratio = m["n_root"] / m["n_block_unit"]
+        v.add("Q12", "q12_levels", "the unsharded curve's levels in backward (blocks' worth)",
+              f"root {ratio:.3f} (Psi_root / Psi_blk); root + the block computing {1 + ratio:.3f}; with the "
+              f"prefetched block {2 + ratio:.3f}")
+    else:
+        v.add("Q2", "q2_units", "unit sizes", "n/a (memory.json: no FSDP row)")
+        v.add("Q12", "q12_levels", "unsharded levels", "n/a (memory.json: no FSDP row)")
 
     # Q5: the global norm's bytes
     for W in (2, 4):
@@ -273,6 +286,8 @@ def values(results: Path) -> Values:
     diff("FSDP + prefetch, 2 blocks/unit", "FSDP + prefetch", 4, "Q13", "q13_mem")
     if r4:
         v.add("Q9", "q9_blk", "one block unit, 4 Psi_blk", _mib(4 * r4["model"]["n_block_unit"]))
+    else:
+        v.add("Q9", "q9_blk", "one block unit", "n/a")
 
     # Q8: the tied weight
     if gpt:
@@ -451,8 +466,8 @@ def numbers_md(results: Path, v: Values, record: dict) -> str:
              "Regenerate: `python staff/answer_key/regenerate.py` (see its docstring); the results it derives from are "
              "in `staff/answer_key/results/`.", "",
              f"- Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, no GPU; load average (1 min) "
-             f"{m.get('load_1min', '?')} before the run, {after.get('load_1min', '?')} after (the machine was shared "
-             f"with other jobs: a loaded machine, on purpose)"
+             f"{m.get('load_1min', '?')} before the run, {after.get('load_1min', '?')} after (the run's own ranks count "
+             f"in that; a load above the cores before it means other jobs shared the machine)"
              + (f"; observed during the run: {', '.join(f'{x:g}' for x in record['load_observed_1min'])}."
                 if record.get("load_observed_1min") else "."),
              f"- Command: `{record.get('command', '?')}`, {record.get('seconds', '?')} s.",
