@@ -87,7 +87,11 @@ def pasted_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
             header = [c.strip() for c in lines[i].strip().strip("|").split("|")]
             rows, i = [], i + 2
             while i < len(lines) and lines[i].lstrip().startswith("|"):
-                rows.append([c.strip() for c in lines[i].strip().strip("|").split("|")])
+                row = [c.strip() for c in lines[i].strip().strip("|").split("|")]
+                # The template's header stays above a paste that brought its own header and separator: a
+                # repeated header or separator is layout, not a row to check.
+                if row != header and not all(re.fullmatch(r":?-+:?", c) for c in row):
+                    rows.append(row)
                 i += 1
             tables.append((header, rows))
         else:

@@ -162,6 +162,12 @@ def test_check_tables_catches_a_hand_edited_table(tmp_path):
         return zp
 
     assert check.main([str(submit(pasted))]) == 0
+    # Pasted whole under the template's own header (the fresh-student trial did): the repeated header and
+    # separator are layout, and an edit below them is still caught.
+    template_head = "| scaling | strategy | W |"
+    doubled = pasted.replace(template_head, next(x for x in pasted.splitlines() if x.startswith(template_head))
+                             + "\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n" + template_head, 1)
+    assert check.main([str(submit(doubled))]) == 0
     line = next(x for x in pasted.splitlines() if x.startswith("| FSDP | 4 |"))
     cells = line.split("|")
     cells[3] = f" {float(cells[3].split()[0]) * 0.9:.3g} "  # the peak, 10% better than measured
@@ -170,6 +176,11 @@ def test_check_tables_catches_a_hand_edited_table(tmp_path):
                                        for n in ("memory", "comm", "step", "scaling")})
     assert any("FSDP | 4" in p and "peak MiB" in p for p in problems), problems
     assert check.main([str(submit(edited))]) == 1
+    row = next(x for x in doubled.splitlines() if x.startswith("| weak | FSDP | 2 |"))
+    cells = row.split("|")
+    cells[6] = f" {float(cells[6].split()[0]) * 0.9:.3g} "  # the step, 10% faster than measured
+    edited_scaling = doubled.replace(row, "|".join(cells))
+    assert check.main([str(submit(edited_scaling))]) == 1
 
 
 def test_the_release_has_no_answer_key_and_its_check_catches_one(tmp_path):
