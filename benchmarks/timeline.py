@@ -7,8 +7,9 @@ For each strategy drawn (FSDP without and with prefetching, one above the other)
                      labelled with its unit (b0, b1, ... the blocks; root: embeddings, ln_f, tied head)
     reduce-scatter   the same for reduce-scatters
 
-and under them rank 0's memory over the step: live bytes, and the unsharded bytes (FSDP's full parameters and
-gradients; right axis: in blocks' worth, so "2" is two blocks unsharded at once). The dashed lines end forward
+and under them rank 0's memory over the step: live bytes, and the unsharded bytes (FSDP's unsharded flat
+parameters, the storages it resizes; gradients are not in it; right axis: in blocks' worth, so "2" is two blocks
+unsharded at once). The dashed lines end forward
 and backward. Units are told apart by size (the root's flat parameter and a block's differ in size: in the benchmark
 GPT a block is about twice the root) and by order (forward
 gathers the blocks in order, backward in reverse; reduce-scatters come in reverse).
