@@ -80,6 +80,9 @@ def summary(machines: list[dict]) -> str:
 
     gpus = "no GPU" if not any(m.get("gpus") for m in machines) else f"GPU {one('gpu')} ({one('gpus')} per node)"
     nets = list(dict.fromkeys(n for m in machines for n in m.get("interconnect", [])))
-    return (f"Machine: {len(machines)} rank(s) on {len(hosts)} host(s) ({', '.join(hosts)}); CPU {one('cpu')}, "
+    # The ranks of every launch of the table (W = 1, 2, 4 are separate launches): a count of processes, not of
+    # the machine's size, so it comes after the hosts.
+    return (f"Machine: {len(hosts)} host(s) ({', '.join(hosts)}), {len(machines)} rank process(es) over the "
+            f"table's launches; CPU {one('cpu')}, "
             f"{one('cores')} usable cores per process; {gpus}; torch {one('torch')}, CUDA {one('cuda')}, "
             f"NCCL {one('nccl')}; network: {', '.join(nets) or 'not readable'}.")

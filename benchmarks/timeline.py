@@ -79,7 +79,7 @@ def draw(data: dict, units: dict, w: int, title: str):
                 a, b = c["issue"] * 1e3, c["done"] * 1e3
                 ax.broken_barh([(a, max(b - a, t_max * 0.002))], (lanes[c["kind"]], 0.9), color=color(label),
                                edgecolor="black", linewidth=0.3)
-                if b - a > t_max * 0.025:
+                if b - a > t_max * (0.012 if len(label) <= 2 else 0.025):  # "b5" fits a narrow bar, "root" not
                     ax.text((a + b) / 2, lanes[c["kind"]] + 0.45, label, ha="center", va="center", fontsize=6)
             for phase in ("forward", "backward"):  # this rank's own phase ends, across its three lanes
                 if phase in tl["phases"]:

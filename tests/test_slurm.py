@@ -220,7 +220,7 @@ def test_a_request_slurm_can_never_satisfy_fails_at_once_with_the_reason(tmp_pat
         sweep.finish(args, "probe", {"benchmark": "probe"}, "| rank |\n", None)
     assert "--collect" in str(failed.value) and f"W{w} (W={w})" in str(failed.value)
     table = (out / "probe.incomplete.md").read_text()
-    assert table.startswith("Machine: 1 rank(s)") and f"not measured, W{w} (W={w})" in table
+    assert table.startswith("Machine: 1 host(s)") and f"not measured, W{w} (W={w})" in table
     assert time.monotonic() - t0 < 200
     # --collect keeps the reason (it is in the sweep's manifest)
     again = cli.parse(_parser(), ["--collect", str(args.sweep_folder)], "probe")
@@ -353,7 +353,7 @@ def test_run_all_on_two_nodes_equals_the_local_run(tmp_path):
                   "--slurm-nodes", "2", "--slurm-time-min", "8", "--timeout", "400", "--out", str(slurm), "--quiet"])
     assert (slurm / "summary.md").exists() and not list(slurm.glob("*.incomplete.*"))
     mem = {d: json.loads((d / "memory.json").read_text()) for d in (local, slurm)}
-    assert "3 rank(s) on 2 host(s) (fsdpn1, fsdpn2)" in mem[slurm]["machine"], mem[slurm]["machine"]
+    assert "2 host(s) (fsdpn1, fsdpn2), 3 rank process(es)" in mem[slurm]["machine"], mem[slurm]["machine"]
     assert mem[slurm]["ranks_machines"]["W1"][0]["host"] in NODES  # the baseline: one task, on a node
     rows = {d: {(r["strategy"], r["world_size"]): r for r in mem[d]["results"]} for d in mem}
     assert set(rows[local]) == set(rows[slurm]) and ("one process", 1) in rows[slurm]
