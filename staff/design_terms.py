@@ -1,0 +1,48 @@
+"""Design-revealing terms per task, and the hint folder that explains each one (staff only).
+
+The stubs and the handout's task sections state contracts: what a function receives, returns and guarantees.
+They do not say *how*: which PyTorch facility to use, or a pitfall's solution right after posing it. The how
+lives in graduated hints that a stuck student opens one level at a time:
+
+    hints/taskN/<NN-topic>/1-question.md    level 1: the question to ask yourself
+    hints/taskN/<NN-topic>/2-mechanism.md   level 2: the mechanism (which facility or idea, and why it fits)
+    hints/taskN/<NN-topic>/3-recipe.md      level 3: the recipe, as precise as a full docstring
+
+``DESIGN_TERMS[N]`` maps each term that would give away Task N's design to the hint folder (relative to the
+repository root) whose level-2 or level-3 file covers it. A term is a literal string matched case-sensitively as
+a substring. tests/staff/test_design_terms.py fails when a term occurs in Task N's stub
+(``fsdp_assignment/taskN_*.py``, any docstring) or in the handout's Task N section (``handout/tasks.typ``), or
+when the named hint folder's level-2/level-3 files do not contain it.
+
+To add a term: add it here with its hint folder, write it into that folder's ``2-mechanism.md`` or
+``3-recipe.md``, and take it out of the reference's docstrings (``#`` comments are fine: make_stubs copies only
+signatures and docstrings), then regenerate the stubs (``python staff/make_stubs.py``).
+"""
+
+from __future__ import annotations
+
+DESIGN_TERMS: dict[int, dict[str, str]] = {
+    1: {
+        "swap_tensors": "hints/task1/03-flat-parameter-in-place",
+        "scratch": "hints/task1/02-tied-parameters",
+        "fork_rng": "hints/task1/01-rng-replay",
+    },
+    2: {
+        "resize_": "hints/task2/02-freeing-memory",
+        "untyped_storage": "hints/task2/02-freeing-memory",
+        "torch.split": "hints/task2/03-views-and-gradients",
+        "torch.empty": "hints/task2/03-views-and-gradients",
+    },
+    3: {
+        "register_forward_pre_hook": "hints/task3/01-hooks",
+        "register_forward_hook": "hints/task3/01-hooks",
+        "all_gather_into_tensor": "hints/task3/02-all-gather",
+        "version counter": "hints/task3/03-views-after-gather",
+        "pin_memory": "hints/task3/02-all-gather",
+    },
+    # Tasks 4-7: filled in by the engineer who rewrites those tasks (issue 30).
+    4: {},
+    5: {},
+    6: {},
+    7: {},
+}
