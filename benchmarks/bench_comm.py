@@ -15,14 +15,15 @@ the spread (min-max, n). Bandwidths (from the median) follow nccl-tests:
     busbw = algbw * (W-1)/W     (each rank sends and receives (W-1)/W of the tensor in a ring; busbw is the
                                  number to compare with the link's bandwidth, whatever W is)
 
-The alpha-beta fit (the handout's model of one ring all-gather or reduce-scatter of N elements (N b bytes, the full tensor) over
-W ranks):
+The alpha-beta fit (the handout's Models box: one ring all-gather or reduce-scatter of a full tensor of N elements of
+b bytes each, over W ranks; the Models box's symbols: N counts elements, b is bytes per element):
 
-    T(N, W) = (W - 1) * alpha + (W - 1) / W * N / beta
+    T(N, W) = (W - 1) * alpha + (W - 1) / W * N * b / beta
 
-fitted per W and collective by least squares over the measured sizes (the median times), weighted by relative error: T = a + b N, alpha =
-a / (W-1), beta = (W-1) / (W b). The third table gives alpha and beta with two standard errors, whether alpha is resolved (a > 2 SE(a)), and the fit's largest relative error; the plot
-draws the fitted bus bandwidth beside the measured one.
+fitted per W and collective by least squares over the measured sizes (the median times; the "size" column is N * b,
+in bytes), weighted by relative error: T = c0 + c1 * (N b), alpha = c0 / (W-1), beta = (W-1) / (W c1). The third
+table gives alpha and beta with two standard errors, whether alpha is resolved (c0 > 2 SE(c0)), and the fit's
+largest relative error; the plot draws the fitted bus bandwidth beside the measured one.
 
 Part 2, bytes per step. One AdamW step of the benchmark GPT under each strategy, with every collective counted
 by benchmarks.comm_meter.CommMeter (bus bytes, as above: payload * (W-1)/W for all-gather and reduce-scatter,
@@ -87,37 +88,40 @@ FORMULA = {"FSDP": 3, "FSDP no-reshard": 2, "FSDP + prefetch": 3, "FSDP2 (torch)
 HSDP_MESH = {"HSDP 2x2": (2, 2)}  # (R, K); measured only where W = R x K
 
 
-def hsdp_formula(R: int, S: int) -> float:
-    """Bus bytes per rank per step of HSDP on mesh (R, K) (K: the argument S here), in units of 4Ψ bytes (the handout's formulas)."""
-    return 3 * (S - 1) / S + 2 * (R - 1) / (R * S)
+def hsdp_formula(R: int, K: int) -> float:
+    """Bus bytes per rank per step of HSDP on mesh (R, K): R replicas of K-way shard groups, in units of 4Ψ bytes (the
+    handout's formulas)."""
+    return 3 * (K - 1) / K + 2 * (R - 1) / (R * K)
 
 
 def fit_alpha_beta(sizes: list[float], seconds: list[float], w: int) -> dict:
-    """Least squares of T = a + b N weighted by relative error (each point's residual divided by its T, so the
-    small sizes, where the latency term lives, count as much as the large ones); alpha = a / (W-1), beta =
-    (W-1) / (W b) (bytes/s). With it the standard errors of a and b (from the weighted residuals), and whether
-    alpha is *resolved*: a > 2 SE(a). An unresolved alpha (or one <= 0) is below this machine's noise: the handout's
-    rule is then to use alpha_bound = max(a, 0) / (W-1) + 2 SE(a) / (W-1) as an upper bound, never the fit."""
+    """Least squares of T = c0 + c1 x (x = N b, the size in bytes) weighted by relative error (each point's residual
+    divided by its T, so the small sizes, where the latency term lives, count as much as the large ones); alpha =
+    c0 / (W-1), beta = (W-1) / (W c1) (bytes/s). With it the standard errors of c0 and c1 (from the weighted
+    residuals), and whether alpha is *resolved*: c0 > 2 SE(c0). An unresolved alpha (or one <= 0) is below this
+    machine's noise: the handout's rule is then to use alpha_bound = max(c0, 0) / (W-1) + 2 SE(c0) / (W-1) as an
+    upper bound, never the fit. (c0, c1 are not the Models box's b, bytes per element: the JSON keeps their old
+    names a_s and b_s_per_byte.)"""
     n = len(sizes)
     wts = [1 / y ** 2 for y in seconds]
     sw = sum(wts)
     mx = sum(wi * x for wi, x in zip(wts, sizes)) / sw
     my = sum(wi * y for wi, y in zip(wts, seconds)) / sw
     sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(wts, sizes))
-    b = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(wts, sizes, seconds)) / sxx if sxx else float("nan")
-    a = my - b * mx
-    resid = sum(wi * (a + b * x - y) ** 2 for wi, x, y in zip(wts, sizes, seconds))
+    c1 = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(wts, sizes, seconds)) / sxx if sxx else float("nan")
+    c0 = my - c1 * mx
+    resid = sum(wi * (c0 + c1 * x - y) ** 2 for wi, x, y in zip(wts, sizes, seconds))
     s2 = resid / (n - 2) if n > 2 else float("nan")  # relative variance of one point
-    se_b = (s2 / sxx) ** 0.5 if sxx else float("nan")
-    se_a = (s2 * (1 / sw + mx ** 2 / sxx)) ** 0.5 if sxx else float("nan")
-    alpha = a / (w - 1)
-    beta = (w - 1) / (w * b) if b > 0 else float("inf")
-    resolved = bool(a > 2 * se_a)  # NaN compares False: two sizes cannot resolve it
-    worst = max(abs(a + b * x - y) / y for x, y in zip(sizes, seconds))
-    return {"alpha_s": alpha, "beta_bytes_per_s": beta, "a_s": a, "b_s_per_byte": b, "max_rel_error": worst,
-            "sizes": n, "weighting": "relative error (1/T^2)", "alpha_se_s": se_a / (w - 1),
-            "beta_rel_se": se_b / b if b > 0 else float("nan"), "alpha_resolved": resolved,
-            "alpha_bound_s": (max(a, 0.0) + 2 * se_a) / (w - 1)}
+    se_c1 = (s2 / sxx) ** 0.5 if sxx else float("nan")
+    se_c0 = (s2 * (1 / sw + mx ** 2 / sxx)) ** 0.5 if sxx else float("nan")
+    alpha = c0 / (w - 1)
+    beta = (w - 1) / (w * c1) if c1 > 0 else float("inf")
+    resolved = bool(c0 > 2 * se_c0)  # NaN compares False: two sizes cannot resolve it
+    worst = max(abs(c0 + c1 * x - y) / y for x, y in zip(sizes, seconds))
+    return {"alpha_s": alpha, "beta_bytes_per_s": beta, "a_s": c0, "b_s_per_byte": c1, "max_rel_error": worst,
+            "sizes": n, "weighting": "relative error (1/T^2)", "alpha_se_s": se_c0 / (w - 1),
+            "beta_rel_se": se_c1 / c1 if c1 > 0 else float("nan"), "alpha_resolved": resolved,
+            "alpha_bound_s": (max(c0, 0.0) + 2 * se_c0) / (w - 1)}
 
 
 def human(n: int) -> str:
@@ -256,13 +260,13 @@ def main(argv=None) -> dict:
             total = sum(mib.values())
             k = FORMULA[name]
             if name in HSDP_MESH:
-                R, S = HSDP_MESH[name]
-                formula, formula_text = hsdp_formula(R, S) * psi * 4 / report.MiB, "(3(K-1)/K+2(R-1)/(RK))Ψ·4B"
+                R, K = HSDP_MESH[name]
+                formula, formula_text = hsdp_formula(R, K) * psi * 4 / report.MiB, "(3(K-1)/K+2(R-1)/(RK))Ψ·4B"
                 groups = summary.get("by_group", {})
                 note = "; ".join(f"group {g}: " + " + ".join(f"{kind.replace('_', '-')} {v['bus_bytes'] / report.MiB:.2f}"
                                                              for kind, v in kinds.items()) + " MiB"
                                  for g, kinds in sorted(groups.items()))
-                note = f"rank 0's groups: {note} (shard group: S={S} ranks; replicate group: R={R})"
+                note = f"rank 0's groups: {note} (shard group: K={K} ranks; replicate group: R={R})"
             else:
                 formula, formula_text = k * psi * 4 * (w - 1) / w / report.MiB, f"{k}Ψ(W-1)/W·4B"
                 note = "counted through a comm hook (dist.all_reduce per bucket)" if name == "DDP (torch)" else ""
@@ -297,8 +301,8 @@ def main(argv=None) -> dict:
           + f"\nBytes per training step (bus bytes per rank, counted), GPT Ψ = {psi:,} params x 4 B = "
           f"{psi * 4 / report.MiB:.2f} MiB:\n\n" + report.markdown_table(HEADERS_STEP, step_rows)
           + ("\n" + "\n".join(skipped) + "\n" if skipped else "")
-          + "\nalpha-beta fit of the collectives (the handout's model T(N, W) = (W-1)·alpha + (W-1)/W·N/beta, N = the "
-          "full tensor's bytes; least squares over the sizes above weighted by relative error, per W; ± two standard "
+          + "\nalpha-beta fit of the collectives (the Models box's T(N, W) = (W-1)·alpha + (W-1)/W·N·b/beta, N = the "
+          "full tensor's elements, b = bytes per element, so N·b = the size column; least squares over the sizes above weighted by relative error, per W; ± two standard "
           "errors; alpha is resolved when it exceeds two standard errors, otherwise only its upper bound is "
           "measured):\n\n" + report.markdown_table(HEADERS_FIT, fit_rows))
     raw = {"benchmark": NAME, "alpha_beta": fits, "config": vars(args) | {"gpt": cfg.__dict__}, "environment": report.environment(),

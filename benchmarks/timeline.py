@@ -4,7 +4,7 @@ For each strategy drawn (FSDP without and with prefetching, one above the other)
 
     compute          the training thread computing (blue) or blocked on a collective (pale red)
     all-gather       every all-gather in flight, from its call until it completed or was first waited for,
-                     labelled with its unit (b0, b1, ... the blocks; root: embeddings, ln_f, tied head)
+                     labelled with its unit (b0, b1, ... the blocks; R, gold and hatched: the root, = embeddings, ln_f, tied head)
     reduce-scatter   the same for reduce-scatters
 
 and under them rank 0's memory over the step: live bytes, and the unsharded bytes (FSDP's unsharded flat
@@ -30,7 +30,7 @@ def _unit_labels(comm: list[dict], units: dict, w: int) -> list[str]:
     for c in comm:
         kind = min(full, key=lambda k: abs(full[k] - c["payload_bytes"]))
         if kind == "root" or c["kind"] not in seen:
-            labels.append("root" if kind == "root" else "")
+            labels.append("R" if kind == "root" else "")
             continue
         k = seen[c["kind"]]
         seen[c["kind"]] += 1
@@ -54,12 +54,14 @@ def draw(data: dict, units: dict, w: int, title: str):
     fig, axes = plt.subplots(len(heights), 1, figsize=(13, sum(heights) * 0.95 + 0.6),
                              gridspec_kw={"height_ratios": heights}, sharex=True)
     t_max = max(tl[s]["t_end"] for tl in data["ranks"] for s in strategies) * 1e3
-    cmap = plt.get_cmap("tab20")
+    # Blocks take tab10's colours without its grey (index 7), so no block looks like another's neighbour or like
+    # the root; the root is gold and hatched, unlike any block, and labelled "R" so that its narrow bars carry a label.
+    block_colors = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]
 
     def color(label: str):
-        if label == "root":
-            return "#555555"
-        return cmap((int(label[1:]) * 2) % 20) if label[1:].isdigit() else "#888888"
+        if label == "R":
+            return "#F0C040"
+        return block_colors[int(label[1:]) % len(block_colors)] if label[1:].isdigit() else "#BBBBBB"
 
     for si, strategy in enumerate(strategies):
         ax, mx = axes[2 * si], axes[2 * si + 1]
@@ -73,14 +75,27 @@ def draw(data: dict, units: dict, w: int, title: str):
             ax.broken_barh([(0, tl["t_end"] * 1e3)], (lanes["compute"], 0.9), color="#4C72B0")
             ax.broken_barh([(a, b - a) for a, b in blocked], (lanes["compute"], 0.9), color="#F2B5B5")
             labels = _unit_labels(tl["comm"], units, w)
+            label_end = {lane: -math.inf for lane in lanes}  # where the last label drawn in each lane ends (ms)
+            bar_end = {lane: -math.inf for lane in lanes}  # where the last bar in each lane ends (ms)
+            char_ms = t_max * 0.0055  # about one label character's width at fontsize 6 on this figure's x scale
             for c, label in zip(tl["comm"], labels):
                 if c["kind"] not in lanes:
                     continue
                 a, b = c["issue"] * 1e3, c["done"] * 1e3
-                ax.broken_barh([(a, max(b - a, t_max * 0.002))], (lanes[c["kind"]], 0.9), color=color(label),
-                               edgecolor="black", linewidth=0.3)
-                if b - a > t_max * (0.012 if len(label) <= 2 else 0.025):  # "b5" fits a narrow bar, "root" not
-                    ax.text((a + b) / 2, lanes[c["kind"]] + 0.45, label, ha="center", va="center", fontsize=6)
+                # two collectives of one kind in flight at once (the root's reduce-scatter beside b0's): the later
+                # one takes the lane's lower half, so neither hides the other or its label
+                y, height = lanes[c["kind"]], 0.9
+                if bar_end[c["kind"]] - a > 0.25 * (b - a):  # a slight overlap (one ends as the next starts) is not
+                    height = 0.36
+                bar_end[c["kind"]] = max(bar_end[c["kind"]], b)
+                ax.broken_barh([(a, max(b - a, t_max * 0.002))], (y, height), color=color(label),
+                               edgecolor="black", linewidth=0.3, hatch="///" if label == "R" else None)
+                half = (len(label) + 0.5) * char_ms / 2
+                # a label needs its bar to be wide enough, and must not run into the previous one ("b0" + "R")
+                if label and b - a > 2 * half * 0.8 and ((a + b) / 2 - half > label_end[c["kind"]] or height < 0.9):
+                    ax.text((a + b) / 2, y + height / 2, label, ha="center", va="center", fontsize=6 if height == 0.9 else 5)
+                    if height == 0.9:
+                        label_end[c["kind"]] = (a + b) / 2 + half
             for phase in ("forward", "backward"):  # this rank's own phase ends, across its three lanes
                 if phase in tl["phases"]:
                     ax.vlines(tl["phases"][phase] * 1e3, base - 0.1, base + 3.4, color="black", ls="--", lw=0.7)
