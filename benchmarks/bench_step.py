@@ -226,7 +226,8 @@ def main(argv=None) -> dict:
     rows, ratio_rows, records, ratio_records = [], [], [], []
     if one is not None:
         rows.append(["one process", 1, "none", report.spread(one_rounds, 1e3), "1.00x", "0%", tokens / one])
-        records.append({"strategy": "one process", "world_size": 1, "interconnect": "none", "step_s": one})
+        records.append({"strategy": "one process", "world_size": 1, "interconnect": "none", "step_s": one,
+                        "per_round_s": one_rounds})  # the row's min-max, so a pasted row can be checked whole
     for w, ranks in results.items():
         r0 = ranks[0]  # every rank passed the same barriers: rank 0's times are the step times
         for phase in r0["phases"]:
