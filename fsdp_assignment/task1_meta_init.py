@@ -1,23 +1,24 @@
 """Task 1: meta-device init.
 
-A model too big for one device cannot be built eagerly and then sharded. Instead it is built on the
-``meta`` device (shapes and dtypes, no memory), optionally sharded with ``fully_shard`` (still on meta),
-and then materialized here: module by module, in the order eager init ran, so that
+A model too big for one device cannot be built eagerly and then sharded. It is built on the ``meta`` device
+(shapes and dtypes, no memory), optionally sharded there (Task 2's FlatParameters, Task 7's
+``fully_shard``), and then materialized here. Afterwards:
 
-- every parameter and buffer is bitwise identical to eager init under the same seed: the random number
-  generator is *replayed*, consuming exactly the numbers eager init consumed, in the same order (modules
-  that own only buffers included); and
-- everything else stays as it was: a parameter's ``requires_grad`` (frozen stays frozen, sharded or not),
-  an FSDP unit's unsharded buffer's dtype (``param_dtype`` under mixed precision); and
-- for sharded units, each module's full parameters exist only while that module is initialized: its
-  slice is copied into the unit's shard and the full tensor is dropped. So at most one unit's full
-  parameters (in fact one module's) exist at any time.
+- every parameter and buffer is bitwise identical to eager init under the same seed, and the global random
+  generator is in the state eager init left it in (the same numbers consumed, no more, no fewer);
+- nothing else changed: the state dict's names, every parameter still an ``nn.Parameter`` with its
+  ``requires_grad`` (frozen stays frozen), tied parameters still one object, every dtype (a unit's
+  unsharded buffer keeps its ``param_dtype``);
+- memory: during materialization, at most one unit's padded full parameters exist on top of the shards.
 
-The contract with the model (``fsdp_assignment/support/models.py`` follows it, as do torch's layers): a
-module that owns parameters or buffers directly defines ``reset_parameters()`` initializing exactly those,
-and eager ``__init__`` ran those inits in module pre-order (``module.modules()``). A tied parameter takes
-the value given by its first owner in pre-order; the later owner's init still consumed random numbers in
-eager mode (it initialized its own weight before being tied), so the replay runs it on a scratch tensor.
+The model's contract (``fsdp_assignment/support/models.py`` follows it, as do torch's layers): a module that
+owns parameters or buffers directly defines ``reset_parameters()`` initializing exactly those (not its
+children's), and eager construction ran each module's init once. A tied parameter keeps the value its first
+initializer gave it, but every owner's init consumed random numbers.
+
+Problems to solve: in which order did eager construction consume the generator, and how do you replay
+exactly that? What does a tied parameter's second owner do in the replay? How do you keep a sharded unit's
+full parameters from piling up?
 """
 # This file is generated from the staff reference by staff/make_stubs.py: the signatures and
 # docstrings are the specification. Replace each `raise NotImplementedError` with your code; you may
@@ -33,17 +34,16 @@ import torch.nn as nn
 def materialize_meta_module(module: nn.Module, device: torch.device | str) -> None:
     """Materialize every meta parameter and buffer of ``module`` on ``device``, with eager-identical values.
 
-    Walk ``module.modules()`` in pre-order. For each module that owns meta parameters or buffers (directly,
-    or through a FlatParameter of its FSDP unit), give them storage on ``device`` in their own dtype (a bf16
-    or fp64 model stays bf16 or fp64; integer and boolean buffers stay integer and boolean), call the module's
-    ``reset_parameters()``, and, for parameters of a sharded unit, copy this rank's slice into the unit's
-    shard and drop the full tensor. Raise a ``TypeError`` naming the module when it owns meta state but has
-    no ``reset_parameters()``. Call it with the same seed on every rank. Parameters and buffers that are
-    already off ``meta`` keep their values, and ``None`` buffers stay ``None``.
+    ``module`` may hold meta state directly or in the FlatParameters (Task 2) of FSDP units (a unit's module
+    carries ``_fsdp_unit``; ``support/state.py``). Afterwards nothing in it is on ``meta`` and the module
+    docstring's rules hold. Called with the same seed on every rank.
 
-    A FlatParameter on ``meta`` (Task 2) is materialized whole: its ``shard`` becomes a zero-filled
-    ``nn.Parameter`` on ``device`` and its ``unsharded`` an empty (storage size 0) tensor on ``device``, each
-    keeping its dtype and ``requires_grad``; replace them in place (``torch.utils.swap_tensors``), so the
-    Python objects a module or an optimizer already holds stay the ones in use.
+    - Dtypes stay: a bf16 or fp64 model stays bf16 or fp64; integer and boolean buffers stay so.
+    - A module owning meta parameters or buffers (directly, or through its unit's FlatParameter) without a
+      ``reset_parameters()``: ``TypeError`` naming the module (its class or its name).
+    - Parameters and buffers already off ``meta`` keep their values; ``None`` buffers stay ``None``.
+    - A sharded unit: each FlatParameter's ``shard`` holds this rank's slice of the eager values (padding
+      zero), its ``unsharded`` has storage size 0 on ``device``; both keep dtype and ``requires_grad`` and
+      stay the *same Python objects* (the shard may be registered on its module or held by an optimizer).
     """
     raise NotImplementedError("Task 1: implement materialize_meta_module() in fsdp_assignment/task1_meta_init.py (see its docstring)")

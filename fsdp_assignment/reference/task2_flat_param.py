@@ -5,11 +5,13 @@ A FlatParameter turns a unit's parameters into one 1-D buffer so that one collec
     unsharded (padded_numel):  | p0 ... | p1 ...... | p2 .. | pad |
     rank r keeps shard r:      |<- shard_numel ->|<- shard_numel ->| ...   (shard_offset = r * shard_numel)
 
-``padded_numel`` is ``numel`` rounded up to a multiple of the world size W, so every rank holds a shard of
-the same size (collectives need equal sizes); the padding is zero and must stay zero. Between uses the
-unsharded buffer keeps its tensor object but its storage is resized to 0 bytes: the memory is really freed,
-while views of it (which autograd may have saved for backward) stay valid and see the data again once the
-storage is re-allocated and refilled.
+``padded_numel`` is the smallest multiple of the world size W that holds ``numel``, so every rank holds a
+shard of the same size; the padding is zero and stays zero. While sharded, only the shard exists: the
+unsharded buffer's storage has size 0 (``unsharded.untyped_storage().size() == 0``).
+
+The problem to solve: the module's parameters are views of the unsharded buffer, and autograd may keep those
+views (saved for backward) after the buffer is freed. Freeing must return the memory although they are alive,
+and the same view objects must see the data again once the buffer is re-allocated and refilled.
 """
 
 from __future__ import annotations
@@ -36,33 +38,42 @@ class FlatParameter:
         padded_numel:  ``numel`` rounded up to a multiple of ``world_size``
         shard_numel:   ``padded_numel // world_size``
         shard_offset:  ``rank * shard_numel``, where this rank's shard starts in the flat buffer
-        shard:         ``nn.Parameter`` of shape ``[shard_numel]``: this rank's shard (what the optimizer sees)
-        unsharded:     1-D tensor of ``padded_numel`` elements whose storage has size 0 while sharded. A
-                       *leaf* (made with ``torch.empty``, never the result of an op) whose ``requires_grad`` is
-                       the parameters': autograd then accumulates every view's gradient into ``unsharded.grad``,
-                       one padded flat gradient, which Task 4 reduce-scatters. So a trainable parameter unused
-                       in forward gets zeros there when another parameter of this FlatParameter got a
-                       gradient (plain PyTorch leaves its ``.grad`` at None; Task 4's module docstring).
+        shard:         ``nn.Parameter`` of shape ``[shard_numel]``: this rank's shard (what the optimizer
+                       sees), with storage of its own
+        unsharded:     1-D tensor of ``padded_numel`` elements whose storage has size 0 while sharded; one
+                       tensor object for the FlatParameter's whole life. A *leaf* tensor whose
+                       ``requires_grad`` is the parameters', so that autograd accumulates the gradients of
+                       all its views into ``unsharded.grad``: one padded flat gradient, which Task 4
+                       reduce-scatters. (So a trainable parameter unused in forward gets zeros there when
+                       another parameter of this FlatParameter got a gradient, where plain PyTorch leaves its
+                       ``.grad`` at None; Task 4's module docstring.)
         unsynced_grad: None here. Task 4 (``BackwardHooks.reduce_grad``) keeps in it the full flat gradient
                        summed over backward passes run without gradient sync (Task 7's
                        ``set_requires_gradient_sync(False)``), in ``reduce_dtype``, until a synced backward
                        reduces it.
         module, rank, world_size, dtype, device, requires_grad: as given, or the parameters' (all agree)
+
+    The tests call the constructor and the methods below (except ``copy_into_shard``, a suggested helper).
     """
 
     def __init__(self, module: nn.Module, param_names: list[str], rank: int, world_size: int,
                  unsharded_dtype: torch.dtype | None = None):
         """Flatten ``module``'s parameters ``param_names`` and keep only ``rank``'s shard.
 
-        All parameters must share dtype, device and ``requires_grad``, else ``ValueError`` (as for an empty
-        ``param_names`` or a rank outside ``[0, world_size)``). A parameter reachable under several names (tied
-        weights) is stored once, under the first of its names in ``param_names``; ``aliases`` maps every name
-        to that one. The original ``nn.Parameter``s are removed from their modules
-        (so ``module.parameters()`` no longer yields them); ``use_unsharded_views()`` puts views back as plain
-        tensor attributes. Works on the ``meta`` device too (then the shard is on ``meta`` as well).
+        ``ValueError`` when the parameters differ in dtype, device or ``requires_grad``, when ``param_names``
+        is empty, or when ``rank`` is outside ``[0, world_size)``. A parameter reachable under several names
+        (tied weights) is stored once, under the first of its names in ``param_names``; ``aliases`` maps every
+        name to that one. Afterwards:
+
+        - the shards of ranks ``0..W-1``, concatenated, are the parameters flattened in ``param_names`` order
+          followed by zeros;
+        - the original ``nn.Parameter``s are no longer registered on their modules (``module.parameters()``
+          does not yield them); ``use_unsharded_views()`` puts views back as plain tensor attributes;
+        - the FlatParameter starts sharded: ``unsharded``'s storage has size 0.
+
+        Works on the ``meta`` device too (then the shard is on ``meta`` as well; Task 1 materializes it).
         ``unsharded_dtype`` (mixed precision) is the dtype of ``unsharded``; by default the parameters'.
-        Memory: never materializes the full flat buffer; each parameter's slice that falls in this rank's
-        shard is copied straight into the shard.
+        Memory: never allocates a full flat buffer; at most the shard and the parameters already there.
         """
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
@@ -130,25 +141,29 @@ class FlatParameter:
             self.unsharded.untyped_storage().resize_(self.padded_numel * self.unsharded.element_size())
 
     def free_unsharded(self) -> None:
-        """Free the unsharded buffer's memory by resizing its storage to 0 bytes (views stay valid objects)."""
+        """Free the unsharded buffer's memory: storage size 0, the bytes really returned although views of
+        it are alive (module docstring). The shard is untouched."""
+        # Resizing the storage (not dropping the tensor) returns the memory while every view stays valid.
         self.unsharded.untyped_storage().resize_(0)
 
     # ---- views -------------------------------------------------------------------------------------------
     def unsharded_views(self) -> list[torch.Tensor]:
-        """One view of ``unsharded`` per unique parameter, with the parameter's shape (no copies).
-
-        Made with one ``torch.split`` rather than a slice per parameter: autograd then has one node that
-        concatenates all the parameters' gradients into the flat gradient, instead of one node per slice
-        each allocating (and zero-filling) a gradient the size of the whole buffer.
+        """One view of ``unsharded`` per unique parameter, in ``param_names`` order, with the parameter's
+        shape, covering its elements ``[param_offsets[i], param_offsets[i] + numels[i])``. Views, not copies:
+        they share ``unsharded``'s storage, so what is written into one shows in the other.
         """
+        # One torch.split rather than a slice per parameter: autograd then has one node that concatenates all the
+        # parameters' gradients into the flat gradient, instead of one node per slice each allocating (and
+        # zero-filling) a gradient the size of the whole buffer.
         pieces = torch.split(self.unsharded, self.numels + [self.padded_numel - self.numel])
         return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
 
     def use_unsharded_views(self) -> None:
-        """Point every original parameter name (aliases included) at its view of the unsharded buffer.
-
-        The views are made now, with autograd recording, so that gradients flow into ``unsharded.grad``.
-        """
+        """Point every original parameter name (aliases included) at its view of the unsharded buffer, as a
+        plain tensor attribute; a tied parameter's names get the same view. Gradients of a loss computed with
+        them reach ``unsharded.grad``, also after a forward under ``torch.no_grad()``."""
+        # Fresh views, made now with autograd recording: views made under torch.no_grad() (an evaluation
+        # forward) would not connect to ``unsharded`` in the graph, and gradients would silently stop.
         views = dict(zip(self.param_names, self.unsharded_views()))
         for name, unique_name in self.aliases.items():
             owner, attr = _resolve(self.module, name)

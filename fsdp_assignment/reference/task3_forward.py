@@ -1,11 +1,20 @@
 """Task 3: forward.
 
-Before a unit's forward runs, every rank all-gathers its shard into the unit's unsharded flat buffer and
-points the module's original parameter names at views of it; after the forward, the unit frees that buffer
-again (``reshard_after_forward``), so at most a few units are ever unsharded at once.
+A unit's forward runs with its full parameters, and the unit gives their memory back afterwards. The tests
+observe, for every unit and every forward:
 
-Invariant this file protects: while a unit is SHARDED its unsharded storage has size 0; while it is
-UNSHARDED the buffer holds every rank's shard, in rank order, cast to the unit's ``param_dtype``.
+- when the unit's module computes, the unit is UNSHARDED: ``unsharded`` holds every rank's shard in rank
+  order, in the unit's ``param_dtype`` (the parameters' dtype when None), and the original parameter names
+  are views of it; the output equals single-process PyTorch's (relative error at most 1e-6 in fp32), in a
+  second forward too;
+- a forward all-gathers each of the unit's FlatParameters once (``shard_numel`` elements per rank, in the
+  unsharded dtype) and communicates nothing else;
+- after the unit's forward with ``reshard_after_forward`` (the root too) its unsharded storage has size 0
+  and the memory is really free; without it the unit stays unsharded.
+
+Problems to solve: running code around a module's forward without touching the model's code; refilling a
+buffer whose views autograd saved without autograd rejecting them in backward; keeping the gradient path
+after a forward under ``torch.no_grad()``.
 """
 
 from __future__ import annotations
@@ -29,28 +38,23 @@ def unshard(flat_param: FlatParameter, group: dist.ProcessGroup | None = None, *
             param_dtype: torch.dtype | None = None, async_op: bool = False):
     """All-gather every rank's shard of ``flat_param`` into ``flat_param.unsharded``.
 
-    Allocates the unsharded storage (``alloc_unsharded``), casts this rank's shard to ``unsharded``'s dtype
-    (mixed precision: the FlatParameter was built with ``unsharded_dtype=param_dtype``) and device (the CPU
-    offload bonus keeps the shard on the CPU and ``unsharded`` on the compute device: the copy is
-    non-blocking, from pinned memory, where the device allows), and all-gathers into
-    ``unsharded`` so that shard r lands at offset ``r * shard_numel``. ``param_dtype``, when given, must be
-    ``unsharded``'s dtype (``ValueError`` otherwise: the buffer's dtype is fixed when it is built). With
-    ``async_op=True`` returns the collective's work handle (the caller must ``wait()`` before using the
-    data); otherwise waits and returns None. Use ``group`` (None: the default group) for the collective.
+    Afterwards ``unsharded`` has storage for ``padded_numel`` elements and holds shard r at offset
+    ``r * shard_numel`` for every rank r, in ``unsharded``'s dtype and on its device (mixed precision casts
+    the shard; the CPU offload bonus keeps the shard on the CPU). One all-gather over ``group`` (None: the
+    default group) of ``shard_numel`` elements per rank. ``param_dtype``, when given, must be
+    ``unsharded``'s dtype, else ``ValueError`` (that dtype is fixed when the FlatParameter is built).
 
-    The tests count collectives through the process group, whatever function you call; the benchmarks
-    count and delay them by patching ``torch.distributed``, so look them up as ``dist.<name>`` when you
-    call them (not ``from torch.distributed import ...``) for the benchmarks' figures to include them.
+    Returns None with the data in place; with ``async_op=True``, a handle whose ``wait()`` must come before
+    the data is used. Whatever the collective reads (under mixed precision, a cast copy nothing else
+    references) must stay alive until that ``wait()``: on a GPU the collective reads it later.
 
-    With ``async_op=True`` the collective's input must stay alive until ``wait()``: under mixed precision
-    it is the cast copy of the shard, a new tensor that nothing else references, and a collective in flight
-    may still read it after this function returns (on a GPU it does). The handle ``torch.distributed``
-    returns holds a reference to its input, so returning that handle is enough; a handle of your own
-    (wrapping or deferring the collective) must keep the cast copy referenced until its ``wait()``.
+    Views of ``unsharded`` that autograd saved in an earlier forward stay usable: a later backward must not
+    fail with "one of the variables needed for gradient computation has been modified by an inplace
+    operation".
 
-    The all-gather writes into ``unsharded.data``: writing through the autograd-visible tensor would bump its
-    version counter, and autograd would then refuse the views it saved for backward ("modified by an
-    inplace operation") although their data is exactly what was saved.
+    The tests count collectives through the process group, whatever function you call; the benchmarks count
+    and delay them by patching ``torch.distributed``, so call them as ``dist.<name>`` (not ``from
+    torch.distributed import ...``) for the benchmarks' figures to include them.
     """
     dtype = flat_param.unsharded.dtype
     if param_dtype is not None and param_dtype != dtype:
@@ -61,19 +65,24 @@ def unshard(flat_param: FlatParameter, group: dist.ProcessGroup | None = None, *
     if shard.dtype != dtype or shard.device != flat_param.unsharded.device:
         # Stream-ordered before the collective, so a non-blocking host-to-device copy is safe here.
         shard = shard.to(device=flat_param.unsharded.device, dtype=dtype, non_blocking=True)
+    # Write through ``.data``: writing into the autograd-visible tensor would bump its version counter, and
+    # autograd would then refuse the views it saved for backward ("modified by an inplace operation") although
+    # their data is exactly what was saved. The returned handle holds a reference to its input (the cast copy),
+    # which keeps it alive until wait(); a handle of one's own would have to do the same.
     work = _all_gather_single(flat_param.unsharded.data, shard, group, async_op)
     return work if async_op else None
 
 
 def reshard(flat_param: FlatParameter) -> None:
-    """Free ``flat_param``'s unsharded buffer (storage size 0); its shard is untouched."""
+    """Free ``flat_param``'s unsharded buffer (storage size 0, memory really returned); its shard is untouched."""
     flat_param.free_unsharded()
 
 
 def wait_for_unshard(unit: FSDPUnit) -> None:
-    """Make ``unit`` UNSHARDED: wait for its prefetched all-gathers if any are in flight (Task 6), else
-    all-gather now unless it is unsharded already. Then point its module's parameter names at fresh views
-    (fresh, so that views made under ``torch.no_grad()`` in an earlier forward never cut the gradient path)."""
+    """Make ``unit`` UNSHARDED (a suggested helper; the tests do not call it): its buffers hold the gathered
+    data (all-gathered now, or by Task 6's prefetch still in ``unit.pending_unshard``; not gathered again when
+    already unsharded), and its parameter names are views through which gradients reach ``unsharded.grad``,
+    also after a forward under ``torch.no_grad()``."""
     if unit.pending_unshard:
         for work in unit.pending_unshard:
             work.wait()
@@ -81,15 +90,16 @@ def wait_for_unshard(unit: FSDPUnit) -> None:
     elif unit.sharded_state == ShardedState.SHARDED:
         for flat_param in unit.flat_params:
             unshard(flat_param, unit.group, param_dtype=unit.param_dtype)
+    # Fresh views every time: views made under torch.no_grad() in an earlier forward would cut the gradient path.
     for flat_param in unit.flat_params:
         flat_param.use_unsharded_views()
     unit.sharded_state = ShardedState.UNSHARDED
 
 
 def reshard_unit(unit: FSDPUnit) -> None:
-    """Free every unsharded buffer of ``unit`` and mark it SHARDED. Wait on the handles of any all-gather still in
-    flight first (``unit.pending_unshard``: a unit prefetched that then did not run), so that nothing writes into
-    memory after it is freed; every test checks that no handle is left unwaited when backward returns."""
+    """Free every unsharded buffer of ``unit`` and mark it SHARDED (a suggested helper; the tests do not call
+    it). A buffer must never be freed while an all-gather into it may still write (``unit.pending_unshard``: a
+    unit prefetched that then did not run); no handle may be left unwaited when backward returns."""
     # An all-gather still in flight writes into the buffer: finish it before freeing the storage.
     for work in unit.pending_unshard:
         work.wait()
@@ -112,31 +122,35 @@ def _cast_floating(x, dtype: torch.dtype):
 def cast_forward_inputs(unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """With ``unit.param_dtype`` set and ``unit.cast_forward_inputs`` true, cast every floating-point tensor
     in ``args``/``kwargs`` (nested lists, tuples and dicts included) to ``param_dtype``, the dtype of the
-    unsharded parameters; otherwise return them unchanged."""
+    unsharded parameters; other values, and everything when either is unset, are returned unchanged."""
     if unit.param_dtype is None or not unit.cast_forward_inputs:
         return args, kwargs
     return _cast_floating(args, unit.param_dtype), _cast_floating(kwargs, unit.param_dtype)
 
 
 class ForwardHooks:
-    """A unit's life cycle in forward, run by hooks on ``unit.module``.
+    """A unit's life cycle in forward.
 
-    Tasks 4 and 6 extend this class (``BackwardHooks(ForwardHooks)``, ``PrefetchHooks(BackwardHooks)``):
-    each overrides the steps it adds to and calls ``super()`` for the rest, so the whole life cycle of a unit
-    is composed in one chain of classes, and Task 7's ``fully_shard`` registers the last one. Methods call
-    each other through ``self``, so a later task's override is the one that runs. The class keeps no state:
-    everything lives on the unit (``FSDPUnit``) and its tree (``SharedState``).
+    The tests call only ``ForwardHooks().register(unit)``; afterwards every call of ``unit.module`` keeps the
+    module docstring's rules, with its floating-point inputs (positional and keyword) cast by
+    ``cast_forward_inputs`` and its output unchanged. Tasks 4 and 6 provide ``BackwardHooks().register(unit)``
+    and ``PrefetchHooks().register(unit)`` likewise, each installing the life cycle up to its task.
+
+    Suggested decomposition (the reference's; you may restructure it): the steps are methods that Tasks 4
+    and 6 override in subclasses (``BackwardHooks(ForwardHooks)``, ``PrefetchHooks(BackwardHooks)``), calling
+    ``super()`` for the rest; state lives on ``FSDPUnit`` and ``SharedState``, not on this class.
     """
 
     def register(self, unit: FSDPUnit) -> None:
-        """Register ``self.pre_forward`` as ``unit.module``'s forward pre-hook (with kwargs) and
-        ``self.post_forward`` as its forward hook. Call it once per unit."""
+        """Install this life cycle on ``unit.module`` (``pre_forward`` before its forward, ``post_forward``
+        after it), for every later call of the module. Called once per unit."""
         def _pre_hook(module: nn.Module, args, kwargs):
             return self.pre_forward(unit, args, kwargs)
 
         def _post_hook(module: nn.Module, args, output):
             return self.post_forward(unit, output)
 
+        # with_kwargs=True: the pre-hook sees (and may replace) keyword inputs too, which mixed precision casts.
         unit.module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
         unit.module.register_forward_hook(_post_hook)
 
