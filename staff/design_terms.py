@@ -23,22 +23,31 @@ from __future__ import annotations
 
 DESIGN_TERMS: dict[int, dict[str, str]] = {
     1: {
-        "swap_tensors": "hints/task1/03-flat-parameter-in-place",
+        "pre-order": "hints/task1/01-replay-order",
+        "module.modules()": "hints/task1/01-replay-order",
+        "module.apply": "hints/task1/01-replay-order",
+        "to_empty": "hints/task1/01-replay-order",
         "scratch": "hints/task1/02-tied-parameters",
-        "fork_rng": "hints/task1/01-rng-replay",
+        "swap_tensors": "hints/task1/03-sharded-units",
     },
     2: {
         "resize_": "hints/task2/02-freeing-memory",
-        "untyped_storage": "hints/task2/02-freeing-memory",
         "torch.split": "hints/task2/03-views-and-gradients",
         "torch.empty": "hints/task2/03-views-and-gradients",
+        "requires_grad_": "hints/task2/03-views-and-gradients",
+        "reshape": "hints/task2/03-views-and-gradients",
     },
     3: {
         "register_forward_pre_hook": "hints/task3/01-hooks",
         "register_forward_hook": "hints/task3/01-hooks",
+        "with_kwargs": "hints/task3/01-hooks",
         "all_gather_into_tensor": "hints/task3/02-all-gather",
+        "all_gather_single": "hints/task3/02-all-gather",
+        "non_blocking": "hints/task3/02-all-gather",
+        "pinned": "hints/task3/02-all-gather",
         "version counter": "hints/task3/03-views-after-gather",
-        "pin_memory": "hints/task3/02-all-gather",
+        ".data": "hints/task3/03-views-after-gather",
+        "fresh views": "hints/task3/03-views-after-gather",
     },
     # Tasks 4-7: filled in by the engineer who rewrites those tasks (issue 30).
     4: {},
