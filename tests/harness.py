@@ -908,7 +908,7 @@ def _run_body(config: dict, sendable, report_fd: int | None = None, ack=None):
     apply_limits(config["memory_limit_bytes"], config.get("limits") or {})
     if config.get("run_as") is not None:  # last: the harness and the test module were set up as ourselves
         drop_privileges(*config["run_as"])
-    if os.environ.get("FSDP_TRACE_TASK_CALLS"):  # staff/autograder/measure_times.py: which task functions run
+    if os.environ.get("FSDP_TRACE_TASK_CALLS"):  # staff/grader_selftest/measure_times.py: which task functions run
         trace_task_calls(os.environ["FSDP_TRACE_TASK_CALLS"])
     if config.get("witnessed"):
         _malloc_returns_big_blocks()

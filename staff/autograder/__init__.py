@@ -1,21 +1,20 @@
-"""The autograder: grading plugin and command, the Gradescope bundle, and their self-tests (staff only).
+"""The autograder: what ships to Gradescope (build_bundle.py copies this folder's grading files; staff only).
 
     grading_plugin.py   pytest plugin: runs each test; its parts: grading_selection.py (which tests, points,
                         order), grading_limits.py (time limits, budget shares, hang blame), grading_results.py
-                        (Gradescope's results.json written as the run goes, complete at every moment)
+                        (Gradescope's results.json written as the run goes, complete at every moment),
+                        student_limits.py (all of the rank user's memory), cleanup.py (what a test leaves)
     grade.py            the grading command; also Gradescope's entry point (run_autograder calls it)
+    sanitize.py         every line the grader prints and every output in results.json
     build_bundle.py     builds the Gradescope zip: setup.sh, run_autograder, the staff tree with the stubs and
                         the public and hidden tests; refuses to build if any of the reference is inside
     results_schema.py   checks a results.json against Gradescope's format (CI)
-    mutant_list.py      the seeded bugs of the reference (never shipped)
-    mutations.py        the self-test: the suite must kill every mutant of mutant_list.py (CI)
-    mutant_grading.py   how a mutant is graded and what kills it (mutations.py and machine_mutants.py)
-    zoo.py              broken submissions the grader must survive (CI; never shipped; zoo_forgeries.py,
-                        zoo_hangs.py)
+    test_times.json     the reference's time per graded test (the plugin's limits)
 
-Grade this tree's task files (what CI and staff use):
+One package: its modules import each other relatively (``from .grading_selection import ...``) and nothing here
+edits ``sys.path`` (tests/staff/test_package_imports.py). Its commands run as modules from the tree's root:
 
-    python staff/autograder/grade.py --results results.json [-- -m task3 -x ...]
+    python -m staff.autograder.grade --results results.json [-- -m task3 -x ...]   # grade this tree's task files
 
 which runs, in a child process group it kills at --timeout:
 
@@ -26,8 +25,8 @@ which runs, in a child process group it kills at --timeout:
 
 Build the Gradescope bundle:
 
-    python staff/autograder/build_bundle.py --out dist/autograder.zip
+    python -m staff.autograder.build_bundle --out dist/autograder.zip
 
-Self-tests (marker ``staff``): tests/staff/test_grading_plugin.py, test_autograder_bundle.py, test_zoo.py,
-test_mutations.py; by hand: ``python staff/autograder/mutations.py`` and ``python staff/autograder/zoo.py``.
+The grader's own self-tests (broken submissions, mutants, lies, time measurement) are the package
+``staff.grader_selftest``, never shipped.
 """

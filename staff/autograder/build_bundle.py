@@ -1,14 +1,15 @@
 """Build the Gradescope autograder bundle.
 
-    python staff/autograder/build_bundle.py --out dist/autograder.zip
-    python staff/autograder/build_bundle.py --stage DIR      # only lay out the staff tree in DIR (CI uses this)
+    python -m staff.autograder.build_bundle --out dist/autograder.zip
+    python -m staff.autograder.build_bundle --stage DIR      # only lay out the staff tree in DIR (CI uses this)
 
 The zip holds, at its root, ``setup.sh`` (Gradescope runs it once, as root, to build the image: a Python >= 3.11
 virtualenv in /autograder/venv with torch 2.13.0 from PyTorch's CPU wheel index, pytest and pytest-timeout, and
 the unprivileged user ``fsdp_student`` that rank bodies run as) and ``run_autograder`` (run for each submission:
-``staff/autograder/grade.py --autograder-root /autograder``), and the staff tree the grader needs: ``adapters.py``,
-``pyproject.toml``, the package with the **stubs** and the provided support code, the tests (public, hidden, the
-harness, conftest, the points table) and the grading plugin and command. Never the reference solution: the build
+``python -m staff.autograder.grade --autograder-root /autograder`` from /autograder/source), and the staff tree
+the grader needs: ``adapters.py``, ``pyproject.toml``, the package with the **stubs** and the provided support
+code, the tests (public, hidden, the harness, conftest, the points table) and the package ``staff.autograder``'s
+grading files (the plugin and its parts, the command). Never the reference solution: the build
 checks that (``check_no_reference``) and refuses to write a bundle that fails it.
 
 Environment knobs of the two scripts (for the staff's CI; Gradescope needs none):
@@ -111,7 +112,8 @@ PY="${FSDP_AUTOGRADER_PYTHON:-}"
 if [ -z "$PY" ]; then
     if [ -x "$ROOT/venv/bin/python" ]; then PY="$ROOT/venv/bin/python"; else PY=python3; fi
 fi
-exec "$PY" "$ROOT/source/staff/autograder/grade.py" --autograder-root "$ROOT" \
+cd "$ROOT/source" || exit 1  # the grading command is a module of the staff tree's package staff.autograder
+exec "$PY" -m staff.autograder.grade --autograder-root "$ROOT" \
     --timeout "${FSDP_AUTOGRADER_TIMEOUT:-540}" --rank-user "__RANK_USER__" "$@"
 """
 
@@ -152,11 +154,7 @@ def stage(dest: Path, root: Path = ROOT) -> list[str]:
 def _reference_lines(root: Path) -> dict[str, set[str]]:
     """Per reference task file: its code lines (normalized, 20+ characters, no docstrings or comments) that
     its stub does not have, i.e. the solution's own code."""
-    sys.path.insert(0, str(root / "staff"))
-    try:
-        import make_stubs
-    finally:
-        sys.path.pop(0)
+    from staff import make_stubs
     out: dict[str, set[str]] = {}
     for path in sorted((root / "fsdp_assignment" / "reference").glob("task[0-9]_*.py")):
         text = path.read_text(encoding="utf-8")
@@ -191,12 +189,8 @@ def check_no_reference(files: dict[str, bytes], root: Path = ROOT) -> list[str]:
     it, a task file that is not exactly its generated stub, or (any file) a large share of a reference task
     file's own code lines."""
     problems = []
-    sys.path.insert(0, str(root / "staff"))
-    try:
-        import make_stubs
-        stubs = {p.relative_to(root).as_posix(): text for p, text in make_stubs.stub_files().items()}
-    finally:
-        sys.path.pop(0)
+    from staff import make_stubs
+    stubs = {p.relative_to(root).as_posix(): text for p, text in make_stubs.stub_files().items()}
     for name in files:
         if "reference" in name.lower():
             problems.append(f"{name}: the path names the reference")

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 import time
-from pathlib import Path
 
 
 SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # where any user may write on every image (world_writable_places)
@@ -67,11 +65,7 @@ def kill_everything_of(uid: int) -> None:
     """tests/rank_isolation.py's kill_everything_of (the harness ends the rank user's processes with it after
     every run), imported when first needed: the plugin is loaded before pytest imports the tree's ``tests``
     package, and must not import one of its own (it would shadow the tree's)."""
-    try:
-        from tests.rank_isolation import kill_everything_of as kill
-    except ImportError:  # grade.py, after the run: this tree's tests package
-        sys.path.append(str(Path(__file__).resolve().parents[2]))
-        from tests.rank_isolation import kill_everything_of as kill
+    from tests.rank_isolation import kill_everything_of as kill  # grade.py runs from the tree's root: its tests
     kill(uid)
 
 

@@ -1,7 +1,10 @@
 """The grading command: grade a tree's task files with the public and hidden tests, write results.json.
 
-    python staff/autograder/grade.py --results results.json           # grade this tree's fsdp_assignment/task*.py
-    python staff/autograder/grade.py --autograder-root /autograder    # Gradescope (run_autograder calls this)
+    python -m staff.autograder.grade --results results.json           # grade this tree's fsdp_assignment/task*.py
+    python -m staff.autograder.grade --autograder-root /autograder    # Gradescope (run_autograder calls this)
+
+Run it from the root of the tree it belongs to (it is a module of the package ``staff.autograder``; its parts
+are imported as package modules, so ``python -m staff.autograder.grade`` does not work).
 
 Options: ``--budget S`` (tests not started by then are not run; default: --timeout minus 60 s), ``--timeout S``
 (the whole pytest run is killed after S seconds; default 540), ``--rank-user USER`` (run rank bodies as this
@@ -35,10 +38,10 @@ import sys
 import time
 from pathlib import Path
 
+from .sanitize import LineSanitizer, one_line, sanitize
+
 HERE = Path(__file__).resolve().parent
-TREE = HERE.parents[1]  # the tree this script belongs to: <tree>/staff/autograder/grade.py
-sys.path.insert(0, str(HERE))
-from sanitize import LineSanitizer, one_line, sanitize  # noqa: E402
+TREE = HERE.parents[1]  # the tree this module belongs to: <tree>/staff/autograder/grade.py
 DEFAULT_RANK_USER = "fsdp_student"
 DEFAULT_TIMEOUT_S = 540  # a minute under the smallest Gradescope limit (10 min); raise it with the limit
 DEFAULT_RANK_MEMORY_MB = 256  # the reference passes everything with 128 (measured): 2x headroom
@@ -55,6 +58,12 @@ MAX_SUBMISSION_ENTRIES = 10_000  # files looked at in the submission folder, ent
 MAX_ZIP_BYTES = 16 << 20  # a zip larger than this is not opened
 MAX_ZIP_DIRECTORY_BYTES = 2 << 20  # nor one whose central directory is larger
 TEST_DIRS = ("tests/public", "tests/hidden")
+
+
+def command(*args: str) -> list[str]:
+    """The grading command with ``args``, to run with the grading tree's root as its working directory (the
+    staff tools that grade a staged tree: zoo, mutants, time measurement)."""
+    return [sys.executable, "-m", "staff.autograder.grade", *args]
 
 
 # ---- the submission ---------------------------------------------------------------------------------------
@@ -292,7 +301,8 @@ def syscall_filter_note(tree: Path) -> str:
     if pid == 0:
         why = "?"
         try:
-            sys.path.append(str(tree))
+            # This tree's tests package (run as ``python -m`` from the tree's root; the source and the grading
+            # tree hold the same file).
             from tests.rank_isolation import refuse_hidden_memory
             why = refuse_hidden_memory()
             if not why:
@@ -418,7 +428,7 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
     code, tail = run_pytest(cmd, tree, env, timeout)
     if user:  # anything of the rank user's still alive (escaped its session?) or left in /tmp goes now
         import pwd
-        from cleanup import clean_up_after_test, world_writable_places
+        from .cleanup import clean_up_after_test, world_writable_places
         try:
             places = tuple(world_writable_places())
         except Exception as err:  # (never: it catches its own errors) the shared folders it always knows

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from grading_selection import BONUS, Record
+from .grading_selection import BONUS, Record
 
 VISIBLE = "visible"
 HIDDEN = "after_published"

@@ -1,4 +1,4 @@
-"""Task 1 (hidden): what machine-generated mutants (staff/autograder/machine_mutants.py) showed no test checked:
+"""Task 1 (hidden): what machine-generated mutants (staff/grader_selftest/machine_mutants.py) showed no test checked:
 state already off ``meta`` keeps its values and a ``None`` buffer stays ``None`` (materialize_meta_module's
 docstring)."""
 

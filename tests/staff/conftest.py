@@ -79,8 +79,7 @@ class GradedReference:
 
 @pytest.fixture(scope="session")
 def graded_reference():
-    sys.path.insert(0, str(ROOT / "staff" / "autograder"))
-    import build_bundle
+    from staff.autograder import build_bundle
     from tests.staff.test_make_submission import filled_writeup
 
     work = Path(tempfile.mkdtemp(prefix="fsdp-graded-reference-"))

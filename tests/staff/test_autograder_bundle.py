@@ -34,11 +34,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "staff" / "autograder"))
-import build_bundle  # noqa: E402
-import mutations  # noqa: E402
-import results_schema  # noqa: E402
-import zoo  # noqa: E402
+from staff.autograder import build_bundle, results_schema
+from staff.grader_selftest import mutations, zoo
 
 HOSTILE_FILES = ("conftest.py", "tests/conftest.py", "pytest.ini", "pyproject.toml")  # tests/staff/conftest.py's
 

@@ -28,8 +28,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "staff" / "autograder"))
-import results_schema  # noqa: E402
+from staff.autograder import results_schema
 from tests.staff.conftest import image_env  # noqa: E402
 
 pytestmark = [pytest.mark.staff, pytest.mark.slow, pytest.mark.timeout(2400)]

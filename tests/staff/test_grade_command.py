@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "staff" / "autograder"))
-import grade  # noqa: E402
+from staff.autograder import grade
 
 pytestmark = pytest.mark.staff
 
@@ -124,10 +123,10 @@ def test_a_refused_zip_still_gets_a_results_json_that_says_why(tmp_path):
     import shutil
     shutil.copytree(ROOT, root / "source", symlinks=True,
                     ignore=shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".pytest_cache", "results.json"))
-    proc = subprocess.run([sys.executable, str(root / "source" / "staff" / "autograder" / "grade.py"),
-                           "--autograder-root", str(root), "--rank-user", "none", "--timeout", "300",
+    proc = subprocess.run([sys.executable, "-m", "staff.autograder.grade", "--autograder-root", str(root),
+                           "--rank-user", "none", "--timeout", "300",
                            "--", "-k", "test_unshard_gathers_every_rank_shard_and_reshard_frees"],
-                          capture_output=True, text=True, timeout=600)
+                          cwd=root / "source", capture_output=True, text=True, timeout=600)
     data = json.loads((root / "results" / "results.json").read_text())
     assert "submission.zip: not opened (a link" in data["output"], data["output"][-2000:]
     assert "submission.zip: not opened (a link" in proc.stdout
@@ -136,7 +135,7 @@ def test_a_refused_zip_still_gets_a_results_json_that_says_why(tmp_path):
 def test_names_with_escapes_or_bidi_controls_cannot_forge_the_log(tmp_path, capsys):
     """Issue 25: grade.py printed its own notes unsanitised, so a folder named with escape codes (or a newline)
     forged "ALL TESTS PASSED" in the log; bidi controls and line separators passed the sanitiser."""
-    from sanitize import LineSanitizer, sanitize
+    from staff.autograder.sanitize import LineSanitizer, sanitize
     sub = tmp_path / "submission"
     forged = "x\x1b[2K\r\nALL TESTS PASSED \u202eDESSAP\u2028y"
     (sub / forged).mkdir(parents=True)

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "staff" / "autograder"))
-import grading_plugin  # noqa: E402
-from grading_plugin import TimeLimits, hung_functions  # noqa: E402
+from staff.autograder import grading_plugin
+from staff.autograder.grading_plugin import TimeLimits, hung_functions
 
 pytestmark = pytest.mark.staff
 
@@ -103,7 +102,7 @@ def test_every_graded_test_has_a_measured_time():
     assert graded, proc.stdout[-2000:] + proc.stderr[-2000:]
     missing = [n for n in graded if n not in data["tests"] or data["tests"][n].get("seconds") is None]
     assert not missing, (f"{len(missing)} graded tests have no measured time in {grading_plugin.TIMES_FILE.name}: "
-                         f"{missing[:5]}; run python staff/autograder/measure_times.py")
+                         f"{missing[:5]}; run python -m staff.grader_selftest.measure_times")
     # The traced calls name functions the reference still has (a renamed function would never be skipped).
     import ast
     defined = set()
@@ -295,7 +294,7 @@ def test_a_task_that_loses_its_share_to_hangs_runs_no_more_tests(tmp_path):
 # ---- real hanging submissions, graded in full (slow: whole grading runs) -------------------------------------
 # CI grades one: hang_task4, a deadlock (rank 0 alone calls a collective) inside backward, the case a student
 # meets most. The other three (hang_task1, hang_task6, and hang_branch, which grades twice) cost about 15 of CI's
-# minutes and go through the same code: `python staff/autograder/zoo.py --hangs` grades all four with the same
+# minutes and go through the same code: `python -m staff.grader_selftest.zoo --hangs` grades all four with the same
 # checks (README, "Staff commands outside CI"); the fake-tree tests above cover the probe and budget logic.
 CI_HANG_CASES = ["hang_task4"]
 
@@ -306,16 +305,16 @@ CI_HANG_CASES = ["hang_task4"]
 def test_a_hanging_submission_loses_only_the_tests_that_reach_the_hang(case, tmp_path):
     """The reference with one hang put in (zoo.HANG_CASES), graded like Gradescope (540 s, budget 480 s): every
     test that lost points calls the hung function (so it lost them on the merits, not to the budget), the hang
-    cost its task points, and the run ends by itself with no process left. `python staff/autograder/zoo.py
+    cost its task points, and the run ends by itself with no process left. `python -m staff.grader_selftest.zoo
     --hangs` grades every case (hang_branch too: a hang in one branch of post_forward must cost only the tests
     that take the branch) and prints the scores."""
-    import zoo
+    from staff.grader_selftest import zoo
     result = zoo.run_hang_case(next(c for c in zoo.HANG_CASES if c.id == case), tmp_path)
     assert not result["problems"], "\n".join(result["problems"]) + "\n" + result["summary"]
 
 
 def test_the_hang_cases_outside_ci_exist():
     """What CI leaves to `zoo.py --hangs` is there to run: every case id is known, and CI's are among them."""
-    import zoo
+    from staff.grader_selftest import zoo
     ids = [c.id for c in zoo.HANG_CASES]
     assert set(CI_HANG_CASES) <= set(ids) and {"hang_task1", "hang_task6", "hang_branch"} <= set(ids), ids

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-import results_schema  # noqa: E402
+from staff.autograder import results_schema
 
 pytestmark = pytest.mark.staff
 

@@ -1,4 +1,4 @@
-"""A lie earns nothing, graded (issue 25): staff/autograder/lies.py's submissions, each an honest bug and the same
+"""A lie earns nothing, graded (issue 25): staff/grader_selftest/lies.py's submissions, each an honest bug and the same
 bug with the lines that make the ranks' reports deny it.
 
 The grader's rule (grading_plugin.Grader.refute): when the kernel's witness breaks a test's bound, every graded
@@ -6,7 +6,7 @@ test marked ``evidence("memory")`` or ``evidence("bytes")`` for that property fa
 ranks' own reports. A lie then scores no more than its honest twin exactly when every test the honest twin fails
 is one that rule reaches. Checked here two ways:
 
-- statically, against the last full grading of each pair (``lies.json``, ``python staff/autograder/lies.py
+- statically, against the last full grading of each pair (``lies.json``, ``python -m staff.grader_selftest.lies
   --write``, about 8 minutes): each test the honest twin failed carries the marker, and the lie scored no more;
 - by grading each lying submission for real on the witnessed test and two marked tests it passes when nobody
   asks the kernel (about a minute in all): the witnessed test fails on the kernel's count and the marked tests
@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "staff" / "autograder"))
-import lies  # noqa: E402
+from staff.grader_selftest import lies
 
 pytestmark = pytest.mark.staff
 

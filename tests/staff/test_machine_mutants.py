@@ -1,4 +1,4 @@
-"""Machine-generated mutants (staff/autograder/machine_mutants.py): the committed report is about the current
+"""Machine-generated mutants (staff/grader_selftest/machine_mutants.py): the committed report is about the current
 reference, and a random sample of the mutants it reports killed is still killed (CI: so the rate cannot drift)."""
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-REPORT = ROOT / "staff" / "autograder" / "machine_mutants.json"
-sys.path.insert(0, str(ROOT / "staff" / "autograder"))
+REPORT = ROOT / "staff" / "grader_selftest" / "machine_mutants.json"
 pytest.importorskip("cosmic_ray", reason="cosmic-ray is a staff extra: pip install -e '.[staff]'")
-import machine_mutants  # noqa: E402
+from staff.grader_selftest import machine_mutants
 
 
 def _report() -> list[dict]:

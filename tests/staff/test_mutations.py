@@ -1,4 +1,4 @@
-"""The mutation self-test (staff/autograder/mutations.py) in CI.
+"""The mutation self-test (staff/grader_selftest/mutations.py) in CI.
 
 Fast: every mutant still applies to the current reference (one exact edit), compiles and has a kind of bug;
 together they seed every bug the autograder issue names; every hidden test and every graded bonus test is the
@@ -7,7 +7,7 @@ target of some mutant.
 Slow (about 10 minutes, 2 workers, on ci_mutants(): a mutant of every hidden and bonus target, every issue's
 bugs): the public + hidden suite kills every mutant graded (KILL_RATE_REQUIRED), and each hidden test is the one
 that kills at least one of its target mutants (it runs first for them), i.e. every hidden test is shown to catch a
-real bug. `python staff/autograder/mutations.py` grades all the mutants.
+real bug. `python -m staff.grader_selftest.mutations` grades all the mutants.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "staff" / "autograder"))
-import mutations  # noqa: E402
+from staff.grader_selftest import mutations
 
 pytestmark = pytest.mark.staff
 
@@ -67,7 +66,7 @@ def ci_mutants() -> list:
     """The mutants CI grades: the first mutant of each hidden or bonus target (every such test shown to catch a
     real bug), every mutant that seeds a bug an issue named, and every mutant added for issue 25 (m50 on: the
     switched-off features and the paths nobody graded). 56 of 97, about 10 of CI's minutes instead of 20; the
-    others differ from these only in where the edit sits. `python staff/autograder/mutations.py` grades all of
+    others differ from these only in where the edit sits. `python -m staff.grader_selftest.mutations` grades all of
     them (README, "Staff commands outside CI")."""
     first_of_target: dict[str, str] = {}
     for m in mutations.MUTANTS:

@@ -68,8 +68,7 @@ def test_leftover_processes_of_the_rank_user_are_reaped():
     import subprocess
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from cleanup import processes_of, reap_user_processes
+    from staff.autograder.cleanup import processes_of, reap_user_processes
     uid = pwd.getpwnam("nobody").pw_uid
     if processes_of(uid):
         pytest.skip("processes of 'nobody' already run on this machine; not killing them")
@@ -113,8 +112,7 @@ def test_a_fork_and_exit_storm_of_the_rank_user_is_reaped():
     import sys
     import time
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from cleanup import kill_everything_of, processes_of, reap_user_processes
+    from staff.autograder.cleanup import kill_everything_of, processes_of, reap_user_processes
     entry = pwd.getpwnam("nobody")
     if processes_of(entry.pw_uid):
         pytest.skip("processes of 'nobody' already run on this machine; not killing them")
@@ -161,8 +159,7 @@ def test_the_rank_users_files_in_shared_temporary_folders_are_removed():
     import subprocess
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from cleanup import remove_user_files
+    from staff.autograder.cleanup import remove_user_files
     entry = pwd.getpwnam("nobody")
     place = Path(tempfile.mkdtemp(prefix="fsdp-shared-"))  # a stand-in for /tmp (pytest's tmp_path is 0700)
     os.chmod(place, 0o1777)
@@ -221,8 +218,7 @@ def test_every_world_writable_place_on_the_image_is_cleaned():
     import subprocess
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from cleanup import remove_user_files, world_writable_places
+    from staff.autograder.cleanup import remove_user_files, world_writable_places
     shallow = world_writable_places()
     everywhere = world_writable_places(depth=None)
     missed = [p for p in everywhere if not any(p == s or p.startswith(s.rstrip("/") + "/") for s in shallow)]
@@ -255,8 +251,7 @@ def test_the_rank_users_sysv_ipc_objects_are_removed():
     import subprocess
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from cleanup import remove_user_ipc
+    from staff.autograder.cleanup import remove_user_ipc
 
     def owned(uid: int) -> int:
         count = 0
@@ -312,9 +307,8 @@ def test_the_rank_users_memory_is_bounded_all_together(kind):
     import sys
     import time
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    from cleanup import kill_everything_of, processes_of, remove_user_files
-    from student_limits import MemoryWatch, tmpfs_mounts
+    from staff.autograder.cleanup import kill_everything_of, processes_of, remove_user_files
+    from staff.autograder.student_limits import MemoryWatch, tmpfs_mounts
     entry = pwd.getpwnam("nobody")
     if processes_of(entry.pw_uid):
         pytest.skip("processes of 'nobody' already run on this machine; not killing them")
@@ -428,8 +422,7 @@ def test_a_deep_tree_is_removed_and_a_failing_step_fails_no_test(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-    import cleanup
+    from staff.autograder import cleanup
     entry = pwd.getpwnam("nobody")
     place = Path(tempfile.mkdtemp(prefix="fsdp-shared-"))
     os.chmod(place, 0o1777)

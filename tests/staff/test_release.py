@@ -20,7 +20,7 @@ new student would:
 It takes about two runs of the public suite plus ~20 s (about 2 minutes on the 2-core CI machine).
 
 ``test_release_submission_is_graded_by_the_bundle`` closes the loop with the autograder: ``make_submission.sh``
-run inside the release makes a zip; the Gradescope bundle's staff tree (``staff/autograder/build_bundle.py
+run inside the release makes a zip; the Gradescope bundle's staff tree (``python -m staff.autograder.build_bundle
 --stage``), with that zip unpacked as the submission, grades it with ``grade.py --autograder-root``: 0 with the
 stubs; full marks with the reference's task files, from the one grading of the reference that the staff checks
 share (tests/staff/conftest.py, ``graded_reference``: the release's zip, graded through the bundle on setup.sh's
@@ -221,7 +221,8 @@ SHARED_PLACES = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 
 def _grade_zip(zip_path: Path, source: Path, root: Path, *, results_in_shared_dir: bool = False) -> dict:
     """Grade a submission zip the way Gradescope does: the bundle's staff tree in R/source, the zip unpacked in
-    R/submission, ``staff/autograder/grade.py --autograder-root R`` (rank bodies as the current user).
+    R/submission, ``python -m staff.autograder.grade --autograder-root R`` run in R/source, as run_autograder does
+    (rank bodies as the current user).
     With ``results_in_shared_dir``, ``--results`` points into a world-writable sticky folder (like /tmp): grading
     must leave its mode alone (once it made /tmp 0700, and every later SLURM test failed). The machine's own shared
     folders must keep their modes in every case."""
@@ -240,9 +241,9 @@ def _grade_zip(zip_path: Path, source: Path, root: Path, *, results_in_shared_di
         shared.chmod(0o1777)
         results = shared / "results.json"
         extra = ["--results", str(results)]
-    proc = subprocess.run([sys.executable, str(root / "source" / "staff" / "autograder" / "grade.py"),
+    proc = subprocess.run([sys.executable, "-m", "staff.autograder.grade",
                            "--autograder-root", str(root), "--rank-user", "none", *extra],
-                          cwd=root, env=_clean_env(), capture_output=True, text=True, timeout=1500)
+                          cwd=root / "source", env=_clean_env(), capture_output=True, text=True, timeout=1500)
     changed = {p: (oct(m), oct(os.stat(p).st_mode)) for p, m in shared_modes.items() if os.stat(p).st_mode != m}
     if results_in_shared_dir:
         mode = (root / "shared").stat().st_mode & 0o7777
@@ -259,15 +260,12 @@ def _grade_zip(zip_path: Path, source: Path, root: Path, *, results_in_shared_di
 def test_release_submission_is_graded_by_the_bundle(tmp_path, graded_reference):
     """make_submission.sh, run inside the release, makes a zip that the autograder bundle grades: 0 with the
     stubs, full marks with the reference's task files dropped in (that grading run is graded_reference's)."""
-    bundle = ROOT / "staff" / "autograder" / "build_bundle.py"
-    if not bundle.exists():
-        pytest.skip("staff/autograder/build_bundle.py does not exist yet")
     release = _release_module()
     dest = tmp_path / "release"
     release.build_release(dest, allow_stale=True, quiet=True)
     source = tmp_path / "bundle-source"
-    proc = subprocess.run([sys.executable, str(bundle), "--stage", str(source)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "staff.autograder.build_bundle", "--stage", str(source)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, _tail(proc)
     (dest / "WRITEUP.md").write_text(filled_writeup())
     env = _clean_env()

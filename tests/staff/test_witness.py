@@ -12,7 +12,7 @@ Each is played here twice on top of the reference, honestly and with its lie, th
 decides it (Task 7's ``test_units_are_resharded_after_forward_and_backward``): the honest bug fails on what the
 ranks report and on what the kernel saw, the lying one passes the first and fails the second. Either way the
 failure is the kernel's, which the grader carries to every test that decides the same property from the ranks'
-reports, so the lie earns nothing (staff/autograder/lies.py grades both pairs in full). The same
+reports, so the lie earns nothing (staff/grader_selftest/lies.py grades both pairs in full). The same
 witness passes on torch's own ``fully_shard`` for the same model and step. (The variants are staff-only: they
 import the reference directly.)
 """
@@ -118,7 +118,7 @@ def test_a_lie_earns_nothing_the_kernel_witness_catches_it(variant):
     assert "What the ranks reported failed the test's checks too" in message, message
     # With the lie: the reports pass, the kernel's counts do not, and the failure says the kernel decided. The
     # same kind of failure as the honest one, so the grader refutes the same tests' reports for both
-    # (staff/autograder/lies.py grades the pairs in full).
+    # (staff/grader_selftest/lies.py grades the pairs in full).
     witness = witness_bounds(WITNESS_CFG, WORLD_SIZE)
     results = run_ranks(_graded_body, WORLD_SIZE, variant, True, witness=witness)
     with pytest.raises(RankFailure) as lying:

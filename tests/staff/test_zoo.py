@@ -1,4 +1,4 @@
-"""The broken-submission zoo (staff/autograder/zoo.py) in CI: each broken submission is graded on a few tests;
+"""The broken-submission zoo (staff/grader_selftest/zoo.py) in CI: each broken submission is graded on a few tests;
 the tests it breaks score 0 and say why, the others pass, the run ends in time, results.json is valid and
 genuine, and no process of the run survives. About three minutes in all (slow: CI runs them)."""
 
@@ -11,15 +11,14 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "staff" / "autograder"))
-import zoo  # noqa: E402
+from staff.grader_selftest import zoo
 
 pytestmark = [pytest.mark.staff, pytest.mark.timeout(1200)]
 
 
 def _rank_user() -> tuple[str, str]:
     """The rank user to grade with here, if rank bodies can run as another user on this machine."""
-    from grade import usable_rank_user
+    from staff.autograder.grade import usable_rank_user
     for user in ("fsdp_student", "nobody"):
         found, why = usable_rank_user(user, Path(zoo.ROOT))
         if found:

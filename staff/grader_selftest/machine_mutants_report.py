@@ -1,7 +1,7 @@
 """Combine machine_mutants.py's JSON outcomes into the committed report: machine_mutants.json (data, read by
 tests/staff/test_machine_mutants.py) and MACHINE_MUTANTS.md (for people).
 
-    python staff/autograder/machine_mutants_report.py "Task 1, every mutant=task1.json" "Sample=sample.json"
+    python -m staff.grader_selftest.machine_mutants_report "Task 1, every mutant=task1.json" "Sample=sample.json"
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 def render(runs: list[tuple[str, dict]]) -> str:
     lines = ["# Machine-generated mutants (cosmic-ray) against the public + hidden tests", "",
-             "Generated and graded by `python staff/autograder/machine_mutants.py` (see its docstring): each mutant",
-             "graded only by the tests that call the mutated function, cheapest first, `-x`. Re-run a row with",
+             "Generated and graded by `python -m staff.grader_selftest.machine_mutants` (see its docstring):",
+             "each mutant graded only by the tests that call the mutated function, cheapest first, `-x`. Re-run a row with",
              "`--only ID`. Counts below are exactly what was graded; nothing is extrapolated.", ""]
-    import machine_mutants
+    from staff.grader_selftest import machine_mutants
     total = len(machine_mutants.enumerate_mutants())
     graded = sum(d["summary"]["generated"] for _, d in runs)
     lines += [f"cosmic-ray makes {total} mutants of the seven reference task files; {graded} of them are in this "

@@ -1,7 +1,7 @@
 """Submissions that lie, each next to its honest twin (issue 25), graded in full by the real grading command.
 
-    python staff/autograder/lies.py            # grade the four submissions; exit 1 if a lie outscores its twin
-    python staff/autograder/lies.py --only never_free
+    python -m staff.grader_selftest.lies            # grade the four submissions; exit 1 if a lie outscores its twin
+    python -m staff.grader_selftest.lies --only never_free
 
 A rank runs the student's code, which can rewrite anything in its own process: the storage sizes the tests read,
 the collective counters, the monitor. Each bug below is the reference with one honest defect; its lie adds the few
@@ -28,11 +28,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from staff.grader_selftest import mutant_grading
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import mutant_grading  # noqa: E402
-
 ROOT = HERE.parents[1]
 RECORD = HERE / "lies.json"  # the last full grading of every pair (--write)
 
@@ -120,7 +118,7 @@ def files(lie: Lie, lying: bool, root: Path = ROOT) -> dict[str, str]:
 def grade(lie: Lie, lying: bool, workdir: Path, pytest_args: list[str] = (), timeout: float = 540,
           root: Path = ROOT) -> dict:
     """results.json of the graded submission (the whole suite unless ``pytest_args`` selects)."""
-    import zoo_hangs
+    from staff.grader_selftest import zoo_hangs
     name = f"{lie.id}-{'lie' if lying else 'honest'}"
     proc, data, seconds, survivors = zoo_hangs._grade_files(files(lie, lying, root), workdir / name,
                                                             workdir / f"{name}.json", timeout, root,

@@ -1,5 +1,5 @@
 """The broken-submission zoo: submissions made from the reference that misbehave on purpose, and what the grader
-must do with each (tests/staff/test_zoo.py runs them in CI; ``python staff/autograder/zoo.py`` runs them here).
+must do with each (tests/staff/test_zoo.py runs them in CI; ``python -m staff.grader_selftest.zoo`` runs them here).
 
 For every case: the tests it breaks score 0 with an output that says what happened, the other selected tests
 are graded normally, the run ends by itself (a hang is cut at the case's timeout cap, not at grade.py's global
@@ -27,12 +27,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from staff.autograder import grade, results_schema
+from staff.grader_selftest import mutations
+from staff.grader_selftest.zoo_forgeries import FORGE, ISSUE14_HELPERS, RED_TEAM_HELPERS, STUB_FORGERY
+from staff.grader_selftest.zoo_hangs import (HANG_CASES, HangCase, hang_case_files, inject_at_start,  # noqa: F401
+                                             run_hang_case)
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import mutations  # noqa: E402
-import results_schema  # noqa: E402
-from zoo_forgeries import FORGE, ISSUE14_HELPERS, RED_TEAM_HELPERS, STUB_FORGERY  # noqa: E402
-from zoo_hangs import HANG_CASES, HangCase, hang_case_files, inject_at_start, run_hang_case  # noqa: E402,F401
 
 ROOT = HERE.parents[1]
 TAG_VAR = "FSDP_ZOO_TAG"        # grade.py passes FSDP_ZOO_* through to pytest and so to every rank
@@ -284,7 +285,7 @@ def tagged_processes(tag: str) -> list[tuple[int, str]]:
 def leftovers_of(user: str) -> list[str]:
     """What the rank user still owns after a grading run: System V IPC objects, files in world-writable places."""
     import pwd
-    from cleanup import world_writable_places
+    from staff.autograder.cleanup import world_writable_places
     uid = pwd.getpwnam(user).pw_uid
     problems = []
     for kind in ("shm", "sem", "msg"):
@@ -335,12 +336,11 @@ def run_case(case: Case, workdir: Path, *, rank_user: str = "none", root: Path =
     env = dict(os.environ, **{TAG_VAR: tag})
     if case.forged_results:
         env[RESULTS_VAR] = str(results)
-    cmd = [sys.executable, str(tree / "staff" / "autograder" / "grade.py"), "--results", str(results),
-           "--rank-user", rank_user, "--timeout", str(GLOBAL_TIMEOUT_S), "--timeout-cap", f"{case.timeout_cap:g}",
-           "--rank-memory-mb", str(case.memory_mb), "--", "-k", case.select]
+    cmd = grade.command("--results", str(results), "--rank-user", rank_user, "--timeout", str(GLOBAL_TIMEOUT_S),
+                        "--timeout-cap", f"{case.timeout_cap:g}", "--rank-memory-mb", str(case.memory_mb),
+                        "--", "-k", case.select)
     if rank_user != "none":
-        from grade import lock_down
-        lock_down(tree)
+        grade.lock_down(tree)
         os.chmod(results_dir, 0o700)
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)

@@ -2,9 +2,9 @@
 reference task files, each graded only by the tests that call the mutated function.
 
     pip install -e ".[staff]"                                         # cosmic-ray, staff only
-    python staff/autograder/machine_mutants.py --list                 # how many, per file and operator
-    python staff/autograder/machine_mutants.py --file task1_meta_init.py --json out.json   # one file, all
-    python staff/autograder/machine_mutants.py --sample 10 --seed 3  # a random sample over every file
+    python -m staff.grader_selftest.machine_mutants --list                 # how many, per file and operator
+    python -m staff.grader_selftest.machine_mutants --file task1_meta_init.py --json out.json   # one file, all
+    python -m staff.grader_selftest.machine_mutants --sample 10 --seed 3  # a random sample over every file
 
 cosmic-ray enumerates the mutations (its ``core/*`` operators: replaced binary, comparison and unary
 operators, ``and``/``or``, ``True``/``False``, numbers, ``break``/``continue``, a loop that runs zero times,
@@ -34,11 +34,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from staff.grader_selftest import mutant_grading  # the grading path both mutation systems share
+from staff.grader_selftest.mutant_grading import NEW_TESTS, TASK_FILES, TIMES  # noqa: F401
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-import mutant_grading  # noqa: E402  (the grading path both mutation systems share)
-from mutant_grading import NEW_TESTS, TASK_FILES, TIMES  # noqa: E402,F401
 
 # Survivors that only a GPU can kill (reported as survivors, with this reason): the CPU-offload bonus keeps a
 # shard on the CPU and gathers into a CUDA buffer; on a CPU-only machine a shard and its buffer share the device.

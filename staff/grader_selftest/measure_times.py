@@ -1,7 +1,7 @@
 """Measure the reference's time per graded test, and which task functions each test calls; write test_times.json.
 
-    python staff/autograder/measure_times.py              # 3 timed runs + 1 traced run, on a quiet machine
-    python staff/autograder/measure_times.py --runs 1     # quicker, noisier
+    python -m staff.grader_selftest.measure_times              # 3 timed runs + 1 traced run, on a quiet machine
+    python -m staff.grader_selftest.measure_times --runs 1     # quicker, noisier
 
 The grading plugin's time limits (grading_limits.py) derive each test's time limit and each task's share of the
 grading budget from these figures, and uses the traced calls to know which later tests call a function that
@@ -27,11 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import mutations  # noqa: E402
+from staff.autograder import grade
+from staff.autograder.grading_limits import TIMES_FILE
+from staff.grader_selftest import mutations
 
-OUT = HERE / "test_times.json"
+OUT = TIMES_FILE  # the grading plugin's per-test limits: shipped in the bundle, next to the plugin
 
 
 def record_run(tree: Path, workdir: Path, name: str, *, trace: bool) -> dict:
@@ -39,9 +39,8 @@ def record_run(tree: Path, workdir: Path, name: str, *, trace: bool) -> dict:
     record = workdir / name
     record.mkdir()
     results = workdir / f"{name}.json"
-    cmd = [sys.executable, str(tree / "staff" / "autograder" / "grade.py"), "--results", str(results),
-           "--rank-user", "none", "--budget", "100000", "--timeout", "3600", "--",
-           "--grade-record", str(record)] + (["--grade-record-calls"] if trace else [])
+    cmd = grade.command("--results", str(results), "--rank-user", "none", "--budget", "100000", "--timeout", "3600",
+                        "--", "--grade-record", str(record), *(["--grade-record-calls"] if trace else []))
     proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=3700)
     data = json.loads((record / "record.json").read_text()) if (record / "record.json").exists() else {}
     graded = json.loads(results.read_text()) if results.exists() else {}
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     data = {
         "about": "The reference's call time per graded test (minimum over timed runs) and the task functions it "
-                 "calls; written by staff/autograder/measure_times.py, read by grading_plugin.py.",
+                 "calls; written by staff/grader_selftest/measure_times.py, read by grading_plugin.py.",
         "measured": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "timed_runs": args.runs,
                      "load_1min_at_each_run": [round(x, 2) for x in loads], "cpus": os.cpu_count(),
                      "python": platform.python_version(), "torch": torch.__version__,

@@ -1,4 +1,4 @@
-"""Hanging submissions graded in full (issue 8; ``python staff/autograder/zoo.py --hangs``): a hang costs only
+"""Hanging submissions graded in full (issue 8; ``python -m staff.grader_selftest.zoo --hangs``): a hang costs only
 the tests that reach it.
 
 Each case puts a hang into one task function of the reference (at its first statement) and grades the whole
@@ -18,10 +18,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-import mutations  # noqa: E402
+from staff.autograder import grade
+from staff.autograder.grading_limits import TIMES_FILE
+from staff.grader_selftest import mutations
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -90,11 +91,11 @@ def hang_case_files(case: HangCase, root: Path = ROOT, *, twin: bool = False) ->
 
 def _grade_files(files: dict[str, str], tree: Path, results: Path, timeout: float, root: Path,
                  pytest_args: list[str] | None = None) -> tuple:
-    from zoo import TAG_VAR, kill_tagged, tagged_processes  # (zoo.py imports this module: no circle at load)
+    from staff.grader_selftest.zoo import TAG_VAR, kill_tagged, tagged_processes  # (zoo imports this module)
     mutations.stage_tree(tree, files, root)
     tag = uuid.uuid4().hex
-    cmd = [sys.executable, str(tree / "staff" / "autograder" / "grade.py"), "--results", str(results),
-           "--rank-user", "none", "--timeout", f"{timeout:g}"] + (["--", *pytest_args] if pytest_args else [])
+    cmd = grade.command("--results", str(results), "--rank-user", "none", "--timeout", f"{timeout:g}",
+                        *(["--", *pytest_args] if pytest_args else []))
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=tree, env=dict(os.environ, **{TAG_VAR: tag}), capture_output=True, text=True)
     seconds = time.monotonic() - start
@@ -117,7 +118,7 @@ def run_hang_case(case: HangCase, workdir: Path, *, timeout: float = 540, root: 
         takes_branch = {t["name"] for t in twin["tests"] if t["status"] != "passed"}
     proc, data, seconds, survivors = _grade_files(hang_case_files(case, root), workdir / case.id,
                                                   workdir / f"{case.id}.json", timeout, root)
-    times = json.loads((HERE / "test_times.json").read_text())["tests"]
+    times = json.loads(TIMES_FILE.read_text())["tests"]
     hung = f"{mutations.TASK_FILES[case.task]}:{case.function}"
     # results.json names a test "Task N public: test_file.py::test_name[param]"
     by_short_name = {f"{Path(k.split('::')[0]).name}::{k.split('::', 1)[1]}": k for k in times}

@@ -1,8 +1,8 @@
 """Mutation self-test: seeded single-point bugs of the reference that the public + hidden suite must catch.
 
-    python staff/autograder/mutations.py                 # every mutant, 2 workers; exit 1 below the kill rate
-    python staff/autograder/mutations.py --only m11 m15  # some of them
-    python staff/autograder/mutations.py --list          # what each one seeds
+    python -m staff.grader_selftest.mutations                 # every mutant, 2 workers; exit 1 below the kill rate
+    python -m staff.grader_selftest.mutations --only m11 m15  # some of them
+    python -m staff.grader_selftest.mutations --list          # what each one seeds
 
 Each mutant is one edit (``old`` -> ``new``, ``old`` must occur exactly once) of one reference task file. For a
 mutant, the seven reference task files are rewritten in the students' layout (``from ..support`` ->
@@ -33,9 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 KILL_RATE_REQUIRED = 1.0  # every mutant killed (issue 13)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import mutant_grading  # noqa: E402  (the grading path both mutation systems share)
-from mutant_grading import TASK_FILES, reference_student_files, stage_tree, student_form  # noqa: E402,F401
+from staff.grader_selftest import mutant_grading  # the grading path both mutation systems share
+from staff.grader_selftest.mutant_grading import (TASK_FILES, reference_student_files, stage_tree,  # noqa: F401
+                                                  student_form)
 
 
 # The student bugs the autograder issue names: each must be seeded by at least one mutant, and killed.
@@ -57,7 +57,7 @@ ISSUE_BUGS = (
 )
 
 
-from mutant_list import MUTANTS, Mutant  # noqa: E402  (the list itself)
+from staff.grader_selftest.mutant_list import MUTANTS, Mutant  # noqa: E402  (the list itself)
 
 
 # ---- what kind of bug each mutant seeds --------------------------------------------------------------------

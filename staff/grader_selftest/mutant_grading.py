@@ -26,9 +26,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-TIMES = HERE / "test_times.json"
+from staff.autograder import build_bundle, grade
+from staff.autograder.grading_limits import TIMES_FILE
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMES = TIMES_FILE
 
 TASK_FILES = {1: "task1_meta_init.py", 2: "task2_flat_param.py", 3: "task3_forward.py",
               4: "task4_backward.py", 5: "task5_optim_ckpt.py", 6: "task6_prefetch.py",
@@ -56,11 +58,6 @@ def reference_student_files(root: Path = ROOT) -> dict[str, str]:
 
 
 def stage_tree(dest: Path, files: dict[str, str], root: Path = ROOT) -> None:
-    sys.path.insert(0, str(HERE))
-    try:
-        import build_bundle
-    finally:
-        sys.path.pop(0)
     build_bundle.stage(dest, root)
     for rel, text in files.items():
         (dest / rel).write_text(text)
@@ -136,9 +133,8 @@ def grade_mutant(files: dict[str, str], workdir: Path, name: str, pytest_args: l
     tree = workdir / name
     stage_tree(tree, files, root)
     results = workdir / f"{name}.json"
-    cmd = [sys.executable, str(tree / "staff" / "autograder" / "grade.py"), "--results", str(results),
-           "--rank-user", "none", "--timeout", f"{timeout:g}", "--timeout-cap", f"{timeout_cap:g}",
-           "--", "-x", *pytest_args]
+    cmd = grade.command("--results", str(results), "--rank-user", "none", "--timeout", f"{timeout:g}",
+                        "--timeout-cap", f"{timeout_cap:g}", "--", "-x", *pytest_args)
     try:
         proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=timeout + 120)
         output = proc.stdout
