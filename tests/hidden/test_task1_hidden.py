@@ -1,7 +1,8 @@
 """Task 1 (hidden): meta-device init replays the RNG exactly (nested modules, a tied weight whose later owner
-sits mid-order, buffers, a module that owns only a buffer) and keeps frozen parameters frozen; a module without
-reset_parameters() is refused. The sharded variant is Task 2's (tests/hidden/test_task2_hidden.py), as it needs
-FlatParameters."""
+sits mid-order, buffers, a module that owns only a buffer) and keeps frozen parameters frozen and every
+parameter's and buffer's dtype (modules built on meta in bf16 and fp64, integer and boolean buffers); a module
+without reset_parameters() is refused. The sharded variant is Task 2's (tests/hidden/test_task2_hidden.py), as
+it needs FlatParameters."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ def test_meta_init_replays_the_rng_exactly():
         got = got_all[name]
         assert not got["meta_left"], f"{name}: still on meta after materialize: {got['meta_left']}"
         assert got["tied"], f"{name}: proj.weight and embed.weight must stay one tied parameter"
+        expected_dtypes = {k: str(v.dtype) for k, v in eager.state_dict().items()}
+        wrong = {k: (v, expected_dtypes.get(k)) for k, v in got["dtypes"].items() if expected_dtypes.get(k) != v}
+        assert got["dtypes"] == expected_dtypes, (
+            f"{name}: dtypes after materialize differ from the model's own (built on meta in them, the default "
+            f"dtype fp32): {wrong} (got, expected). Give every parameter and buffer storage in its own dtype: a "
+            f"bf16 or fp64 model stays bf16 or fp64, integer and boolean buffers stay integer and boolean")
         for pname, p in eager.named_parameters(remove_duplicate=False):
             assert torch.equal(got["params"][pname], p), (
                 f"{name}: parameter {pname} differs from eager init under the same seed: replay every module's "

@@ -1,4 +1,5 @@
-"""Task 1: meta-device init (materialize_meta_module) of unsharded models: eager-identical values and RNG state.
+"""Task 1: meta-device init (materialize_meta_module) of unsharded models: eager-identical values and RNG state,
+and each parameter's and buffer's own dtype (a model built on meta in fp64 stays fp64).
 
 Materializing *sharded* units needs Task 2's FlatParameter: those tests are Task 2's
 (tests/public/test_task2_flat_param.py, ``test_sharded_meta_init_...``)."""
@@ -24,7 +25,11 @@ def _materialize_unsharded(rank, world_size, model_name, seed):
     adapters.materialize_meta_module(model, "cpu")
     after = torch.rand(4)  # the generator must end where eager init left it
     tied = model_name == "gpt" and model.lm_head.weight is model.wte.weight
+    with torch.device("meta"):
+        wide = MODELS[model_name]().to(torch.float64)  # built on meta in fp64; the default dtype stays fp32
+    adapters.materialize_meta_module(wide, "cpu")
     return {"state": {k: v.clone() for k, v in model.state_dict().items()}, "after": after, "tied": tied,
+            "fp64_dtypes": {k: str(v.dtype) for k, v in wide.state_dict().items()},
             "meta_left": [n for n, t in model.state_dict().items() if t.is_meta],
             "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
             "is_param": {n: isinstance(p, torch.nn.Parameter) for n, p in model.named_parameters()}}
@@ -54,3 +59,9 @@ def test_unsharded_module_matches_eager_init_bitwise(model_name):
     assert all(got["is_param"].values()), "materialized parameters must still be nn.Parameter objects"
     if model_name == "gpt":
         assert got["tied"], "lm_head.weight and wte.weight must stay one tied parameter"
+    # Not only fp32: a model built on meta in fp64 comes back fp64 (each tensor in its own dtype, not the default).
+    expected_dtypes = {k: str(v.dtype) for k, v in eager.to(torch.float64).state_dict().items()}
+    wrong = {k: v for k, v in got["fp64_dtypes"].items() if expected_dtypes.get(k) != v}
+    assert got["fp64_dtypes"] == expected_dtypes, (
+        f"a model built on meta in fp64 comes back with other dtypes: {wrong}: give every parameter and buffer "
+        f"storage in its own dtype (a bf16 or fp64 model stays bf16 or fp64; integer and boolean buffers stay so)")

@@ -308,20 +308,48 @@ def _mixed_precision(rank, world_size):
             model = _shard_gpt(GPT(CFG), torch_fully_shard, mp_policy=policy)
         seen = []
         model.blocks[0].mlp.c_fc.register_forward_pre_hook(lambda m, a: seen.append(str(m.weight.dtype)))
+        gathered_bytes = []  # each block's gathered buffer, measured in its forward: c_fc.weight is a view of it
+        for block in model.blocks if name == "ours" else ():
+            block.mlp.c_fc.register_forward_pre_hook(
+                lambda m, a: gathered_bytes.append(m.weight.untyped_storage().nbytes()))
         idx, tgt = local_batch(CFG, rank, world_size, 0)
         gpt_loss(model, idx, tgt).backward()
         grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
         torch.optim.SGD(model.parameters(), lr=1.0).step()  # moves each parameter by exactly its gradient
         params = adapters.gather_full_params(model) if name == "ours" else \
             {n: p.full_tensor().detach() for n, p in model.named_parameters()}
-        out[name] = {"compute_dtype": seen[0], "grad_dtypes": grad_dtypes, "params": params}
+        out[name] = {"compute_dtype": seen[0], "grad_dtypes": grad_dtypes, "params": params,
+                     "gathered_bytes": gathered_bytes}
+        if name == "ours":
+            state = adapters.get_model_state_dict(model, full=True)  # rank 0's; {} elsewhere
+            out[name]["state_dtypes"] = {k: str(v.dtype) for k, v in state.items()}
     return out
 
 
+@pytest.mark.evidence("memory")
 def test_mixed_precision_matches_torch_fsdp2():
-    for rank, got in enumerate(run_ranks(_mixed_precision, 2)):
+    world_size = 2
+    model = GPT(CFG)
+    # A block's gathered buffer holds its padded parameters in param_dtype (bf16: 2 bytes each), not in fp32.
+    numels = unit_numels(model, GPT_UNITS)
+    expected_bytes = [-(-numels[f"blocks.{i}."] // world_size) * world_size * torch.bfloat16.itemsize
+                      for i in range(CFG.n_layer)]
+    for rank, got in enumerate(run_ranks(_mixed_precision, world_size)):
         assert got["ours"]["compute_dtype"] == "torch.bfloat16", "param_dtype=bf16: forward must see bf16 parameters"
         assert got["ours"]["grad_dtypes"] == ["torch.float32"], "sharded gradients must be fp32 (the shards' dtype)"
+        assert got["ours"]["gathered_bytes"] == expected_bytes, (
+            f"rank {rank}: the blocks' gathered buffers hold {got['ours']['gathered_bytes']} bytes in forward, "
+            f"expected {expected_bytes}: each block's padded parameters in param_dtype (bf16, 2 bytes each). "
+            f"Allocate the unsharded storage in its own dtype's element size, not the shards' (fp32)")
+        wrong = {n: t.dtype for n, t in got["ours"]["params"].items() if t.dtype != torch.float32}
+        assert not wrong, (f"rank {rank}: gather_full_params returned {wrong} under param_dtype=bf16: full "
+                           f"parameters are the fp32 shards gathered (mixed precision casts only the unsharded copy "
+                           f"used in forward and backward)")
+        expected_state = {k: str(v.dtype) for k, v in model.state_dict().items()} if rank == 0 else {}
+        assert got["ours"]["state_dtypes"] == expected_state, (
+            f"rank {rank}: the full model state dict under param_dtype=bf16 has dtypes "
+            f"{got['ours']['state_dtypes']}, expected {expected_state} (the parameters' own dtype, fp32, on rank 0; "
+            f"nothing on other ranks): mixed precision casts only the unsharded copy, never a state dict")
         for name, p in got["fsdp2"]["params"].items():
             # One SGD step with lr=1 moves each parameter by its gradient: bf16 compute, fp32 reduction.
             assert_close(got["ours"]["params"][name], p, f"rank {rank}: {name} after a bf16 step vs FSDP2", rtol=2e-3)

@@ -53,7 +53,32 @@ class WithBufferOnly(nn.Module):
         return self.out(torch.tanh(self.pos(self.inp(x))))
 
 
-MODELS = {"nested_toy": lambda: ToyMLP(with_unused=True), "tied_middle": TiedMiddle, "buffer_only": WithBufferOnly}
+class Typed(nn.Module):
+    """Built in ``dtype`` (bf16, fp64) with an integer and a boolean buffer: its own parameter and buffers (not a
+    FlatParameter's: this module is never sharded) next to torch layers' (BatchNorm's ``num_batches_tracked`` is
+    int64). Materialized while the default dtype is fp32, each must come back in its own dtype."""
+
+    def __init__(self, dtype: torch.dtype, dim: int = 6):
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(dim, dtype=dtype))
+        self.register_buffer("steps", torch.empty((), dtype=torch.int32))
+        self.register_buffer("mask", torch.empty(dim, dtype=torch.bool))
+        self.reset_parameters()  # its own state before its children's: eager init runs in module pre-order
+        self.lin = nn.Linear(dim, dim, dtype=dtype)
+        self.norm = nn.BatchNorm1d(dim, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.scale.normal_()
+            self.steps.fill_(3)
+            self.mask.copy_(torch.arange(self.mask.numel()) % 2 == 0)
+
+    def forward(self, x):
+        return self.norm(self.lin(x * self.scale)) * self.mask
+
+
+MODELS = {"nested_toy": lambda: ToyMLP(with_unused=True), "tied_middle": TiedMiddle, "buffer_only": WithBufferOnly,
+          "typed_bf16": lambda: Typed(torch.bfloat16), "typed_fp64": lambda: Typed(torch.float64)}
 
 
 def _materialize(rank, world_size, seed):
@@ -68,6 +93,7 @@ def _materialize(rank, world_size, seed):
         params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
         out[name] = {"params": params, "after": after, "buffers": buffers,
                      "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+                     "dtypes": {k: str(v.dtype) for k, v in model.state_dict().items()},
                      "tied": name != "tied_middle" or model.proj.weight is model.embed.weight,
                      "meta_left": [n for n, t in model.state_dict().items() if t.is_meta]}
     return out
