@@ -29,8 +29,8 @@ Then ``check_release`` (also run by ``--check`` and by ``tests/staff/test_releas
 path is present; the writeup's answer key (``staff/answer_key/``, marked ``STAFF ANSWER KEY``) is anywhere in it;
 a released file mentions or imports the reference (``MENTION`` below, with a short allowlist for
 the plain-English use of the word, e.g. "a reference to"); ``handout.pdf``, a task stub, ``make_submission.sh``
-or ``WRITEUP_TEMPLATE.md`` is missing; a Python file does not compile; or ``adapters.implementation()`` does not
-default to ``student`` in the release.
+or ``WRITEUP_TEMPLATE.md`` is missing; the hints (``hints/``) are incomplete (``hint_problems``); a Python file
+does not compile; or ``adapters.implementation()`` does not default to ``student`` in the release.
 
 Before building, the handout's staleness check (``staff/build_handout.py --check``) must pass (``--allow-stale``
 skips it, with a warning).
@@ -73,6 +73,7 @@ REQUIRED = (
     "handout.pdf",
     "WRITEUP_TEMPLATE.md",
     "make_submission.sh",
+    "hints/README.md",
     "fsdp_assignment/__init__.py",
     "fsdp_assignment/task1_meta_init.py",
     "fsdp_assignment/task2_flat_param.py",
@@ -345,6 +346,27 @@ def mentions(dest: Path) -> list[str]:
     return found
 
 
+# The graduated hints (hints/README.md): one folder per task and hard case, one file per rung, so that opening
+# one rung does not show the next. The handout and the stubs send a stuck student there.
+HINT_LEVELS = ("1-question.md", "2-mechanism.md", "3-recipe.md")
+
+
+def hint_problems(dest: Path) -> list[str]:
+    """Problems with the hints in ``dest``: each task 1-7 has a topic folder under ``hints/taskN/``, and every
+    topic folder holds exactly the three rungs."""
+    problems = []
+    for task in range(1, len(TASK_FILES) + 1):
+        root = Path(dest) / "hints" / f"task{task}"
+        topics = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        if not topics:
+            problems.append(f"hints/task{task}/: no hint folder")
+        for topic in topics:
+            files = sorted(p.name for p in topic.iterdir())
+            if files != list(HINT_LEVELS):
+                problems.append(f"{topic.relative_to(dest).as_posix()}: holds {files}, not {list(HINT_LEVELS)}")
+    return problems
+
+
 def check_release(dest: Path) -> list[str]:
     """Problems with the release in ``dest`` (empty when it is fine)."""
     dest = Path(dest)
@@ -360,6 +382,7 @@ def check_release(dest: Path) -> list[str]:
             problems.append(f"staff-only path present: {rel}")
     problems += [f"mentions the reference: {m}" for m in mentions(dest)]
     problems += [f"answer key in the release: {m}" for m in answer_key_leaks(dest)]
+    problems += [f"hints: {m}" for m in hint_problems(dest)]
     for path in sorted(dest.rglob("*.py")):
         if ".git" in path.relative_to(dest).parts:
             continue

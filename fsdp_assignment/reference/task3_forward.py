@@ -136,7 +136,7 @@ class ForwardHooks:
     ``cast_forward_inputs`` and its output unchanged. Tasks 4 and 6 provide ``BackwardHooks().register(unit)``
     and ``PrefetchHooks().register(unit)`` likewise, each installing the life cycle up to its task.
 
-    Suggested decomposition (the reference's; you may restructure it): the steps are methods that Tasks 4
+    Suggested decomposition (you may restructure it): the steps are methods that Tasks 4
     and 6 override in subclasses (``BackwardHooks(ForwardHooks)``, ``PrefetchHooks(BackwardHooks)``), calling
     ``super()`` for the rest; state lives on ``FSDPUnit`` and ``SharedState``, not on this class.
     """
