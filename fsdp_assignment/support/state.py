@@ -9,8 +9,22 @@ The enums make the life cycle explicit, as in PyTorch's FSDP2 (``TrainingState``
     SHARDED --pre_forward/unshard--> UNSHARDED --post_forward (reshard_after_forward)--> SHARDED
     SHARDED --pre_backward--> UNSHARDED --post_backward--> SHARDED
 
-Tasks 3, 4 and 6 read and write these fields; you may add fields of your own on the objects, but do not
-rename these (the tests read them).
+What is fixed, and what is a suggestion. The tests build units by hand (``tests/public/common.py``,
+``hand_shard``): they construct ``FSDPUnit(module=..., flat_params=..., reshard_after_forward=...)``, set
+``module._fsdp_unit`` to it, call ``init_shared_state(root)``, and then use only these names, which you must keep
+with their meaning:
+
+- ``FSDPUnit.module``, ``.flat_params`` (the trainable FlatParameter, if any, first), ``.is_root``, ``.shared``;
+- ``FSDPUnit.reshard_after_forward``: the tests change it between iterations, so read it at every forward;
+- ``SharedState.prefetch``: Task 6's switch, which the tests flip on the root's ``shared``;
+- ``fsdp_units``, ``named_flat_params`` and ``init_shared_state``.
+
+Everything else here is a *suggested decomposition*, the one the stubs' docstrings are written against: the
+two enums and the fields ``sharded_state``, ``training_state``, ``pending_unshard``, ``units``, ``forward_order``,
+``recording_order``, ``pending_reduce_scatters`` and ``backward_callback_queued`` are never read by a test, and
+the configuration fields (``group``, ``param_dtype``, ``cast_forward_inputs``, ``reduce_dtype``,
+``requires_gradient_sync``, ``replicate_group``) are set by your own Task 7 and read by your own Tasks 3 to 6.
+Use them, ignore them, or replace them with a design of your own; you may add fields to these objects.
 """
 
 from __future__ import annotations
@@ -25,6 +39,8 @@ import torch.nn as nn
 
 
 class TrainingState(Enum):
+    """Where a unit is in its life cycle (a suggested decomposition: no test reads it)."""
+
     IDLE = auto()
     FORWARD = auto()
     PRE_BACKWARD = auto()
@@ -32,12 +48,17 @@ class TrainingState(Enum):
 
 
 class ShardedState(Enum):
+    """Whether a unit's full parameters exist (a suggested decomposition: the tests observe storage sizes)."""
+
     SHARDED = auto()    # only the local shard exists; the unsharded buffer has storage of size 0
     UNSHARDED = auto()  # the unsharded buffer holds every rank's data; module attributes are its views
 
 
 @dataclass(eq=False)  # identity, not field equality: units are kept in lists and looked up with `in`
 class FSDPUnit:
+    """One FSDP unit: a module and the FlatParameters of the parameters it owns (module docstring: which fields
+    the tests use)."""
+
     module: nn.Module
     flat_params: list  # list[FlatParameter]; the trainable one (if any) first
     group: dist.ProcessGroup | None = None  # the group the unit is sharded over (None: the default group)
@@ -62,7 +83,7 @@ class FSDPUnit:
 
 @dataclass(eq=False)
 class SharedState:
-    """One per tree of units (per root)."""
+    """One per tree of units (per root); of its fields the tests use only ``prefetch`` (module docstring)."""
 
     units: list[FSDPUnit]                 # every unit in the tree, in module pre-order (root first)
     prefetch: bool = False                # Task 6: forward/backward prefetch and async reduce-scatter
