@@ -1,16 +1,20 @@
 """Task 5: sharded optimizer, gradient clipping, and checkpoints.
 
-After ``fully_shard`` the module's parameters are this rank's 1-D shards, so any ``torch.optim`` optimizer
-built over them keeps state for 1/W of the model: that is all "sharding the optimizer" takes. What needs
-care is everything that looks at the model as a whole:
+After ``fully_shard`` the module's parameters are this rank's 1-D shards. What needs care is everything that
+looks at the model as a whole. The tests observe:
 
-- the gradient norm for clipping is global: sum of squares over every rank's shard, all-reduced once (the
-  padding is zero, and a tied parameter is stored once, so nothing is counted twice) over the group the units
-  are sharded over (``unit.group``: the default group, or with the HSDP bonus the shard group, since every
-  replica holds the same gradient shards and summing over replicas would count each one R times);
-- state dicts speak the original parameter names (``blocks.0.attn.c_attn.weight``), never flat shards, so a
-  checkpoint loads into a plain model (full) or into the same sharding (sharded), and resuming from one is
-  indistinguishable from never stopping.
+- the optimizer: with AdamW, each rank's optimizer state holds about 2 x (trainable numel) / W elements (within
+  1%), and its steps equal single-process training;
+- clipping: ``clip_grad_norm_`` returns the norm of the whole model's gradient, the same on every rank and equal
+  to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model and the global batch, and leaves every gradient
+  shard scaled as that function scales it (never up: below ``max_norm`` nothing changes);
+- checkpoints: state dicts speak the original parameter names (``blocks.0.attn.c_attn.weight``), never flat
+  shards, in the formats below; a full model state dict loads into a plain, unsharded model (strict); resuming
+  from a full or a sharded checkpoint (model and optimizer, into a fresh model and an optimizer made with other
+  hyperparameters) gives bitwise the parameters of training straight through, on W = 2 and 3 (padding included,
+  which stays zero, in the optimizer state too), with buffers and hyperparameters restored;
+- memory: a full state dict exists on rank 0 only, and the other ranks must not hold it either while it is
+  made: their peak stays far below rank 0's (about one unit's gathered state at a time).
 
 Formats (``fqn`` = original parameter name relative to the module passed in):
 - model, full:      {fqn: full tensor, buffer name: tensor} on rank 0; {} on other ranks. Tied parameters
@@ -25,17 +29,19 @@ Formats (``fqn`` = original parameter name relative to the module passed in):
 Per-element state and scalars: an optimizer state value is *per-element* (AdamW's ``exp_avg``,
 ``exp_avg_sq``) when it is a tensor laid out like the parameter: in the live optimizer a 1-D tensor shaped like
 the shard; in a saved dict the parameter's full shape (full) or its 1-D piece (sharded). Everything else
-(Python numbers, 0-dim tensors such as AdamW's ``step``) is per-parameter scalar state: copied to every name
-of the FlatParameter when saving, and back to the shard's state as it is when loading. Tell them apart by
-``dim() == 0`` (scalar) on the value you hold: a shard's state is never 0-dim. The one ambiguous case is a
-0-dimensional *parameter*, whose full per-element state is 0-dim too: no test uses one (a sharded dict still
-works: its pieces are 1-D).
-Loading a full state dict: pass the same full dict on every rank. Loading restores everything the dict holds,
-buffers and the optimizer's hyperparameters (each param group's lr, weight decay, ...) included, as
-``torch.optim.Optimizer.load_state_dict`` does. A full state dict exists on rank 0 only: the other ranks take
-part in every gather but keep none of it, so they never hold more than one unit's gathered state at a time.
-Gathers run over each unit's own group (``unit.group``; HSDP bonus: the shard group, each replica gathering its
-own copy) and on its compute device (``unsharded``'s: with the CPU offload bonus shards live on the CPU).
+(Python numbers, 0-dim tensors such as AdamW's ``step``) is per-parameter scalar state: the same value under
+every name of the FlatParameter when saving, and back to the shard's state as it is when loading. No test uses a
+0-dimensional *parameter* (whose full per-element state is 0-dim too).
+Loading a full state dict: the same full dict is passed on every rank. Loading restores everything the dict
+holds, buffers and the optimizer's hyperparameters (each param group's lr, weight decay, ...) included, as
+``torch.optim.Optimizer.load_state_dict`` does.
+
+Bonus rules (HSDP, CPU offload): every collective here runs over each unit's own group (``unit.group``: with
+HSDP the shard group, each replica working on its own identical copy; summing a norm over replicas would count
+each shard R times) and on the units' compute device (``unsharded``'s: with CPU offload the shards live on the
+CPU).
+
+Stuck? ``hints/task5/`` has, per topic, a question, a mechanism and a recipe (one file each).
 """
 # This file is generated from the staff reference by staff/make_stubs.py: the signatures and
 # docstrings are the specification. Replace each `raise NotImplementedError` with your code; you may
@@ -56,10 +62,10 @@ def get_sharded_optimizer(module: nn.Module, optimizer_cls, **kwargs) -> torch.o
 
 @torch.no_grad()
 def clip_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
-    """Scale every shard gradient so the global L2 norm is at most ``max_norm``; return the global norm
-    (the same on every rank, and equal to ``torch.nn.utils.clip_grad_norm_`` on the unsharded model).
-    The sum of squares is all-reduced once, over the units' group (``unit.group``; ``ValueError`` when the
-    units are sharded over different groups), on the units' compute device (``unsharded``'s)."""
+    """Scale every gradient shard so that the global L2 norm (the norm of the whole model's gradient, over
+    every rank's shards) is at most ``max_norm``, by the coefficient ``torch.nn.utils.clip_grad_norm_`` uses;
+    return the global norm, the same on every rank and equal to that function's on the unsharded model.
+    ``ValueError`` when the units are sharded over different groups (meshes)."""
     raise NotImplementedError("Task 5: implement clip_grad_norm_() in fsdp_assignment/task5_optim_ckpt.py (see its docstring)")
 
 
@@ -73,13 +79,15 @@ def gather_full(flat_param, local: torch.Tensor | None = None, group=None) -> di
 
 
 def get_model_state_dict(module: nn.Module, *, full: bool) -> dict[str, torch.Tensor]:
-    """The model's state dict under original names; ``full``: gathered on rank 0, else this rank's pieces."""
+    """The model's state dict under original names, parameters and persistent buffers (see the module
+    docstring's formats); ``full``: whole tensors on rank 0 ({} elsewhere), else this rank's pieces."""
     raise NotImplementedError("Task 5: implement get_model_state_dict() in fsdp_assignment/task5_optim_ckpt.py (see its docstring)")
 
 
 @torch.no_grad()
 def set_model_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], *, full: bool) -> None:
-    """Load a state dict made by ``get_model_state_dict`` (``full``: the same full dict on every rank)."""
+    """Load a state dict made by ``get_model_state_dict`` (``full``: the same full dict on every rank) into
+    this rank's shards and the module's buffers; the padding stays zero."""
     raise NotImplementedError("Task 5: implement set_model_state_dict() in fsdp_assignment/task5_optim_ckpt.py (see its docstring)")
 
 

@@ -6,19 +6,22 @@
     fully_shard(model)              # the root owns what no child unit owns (embeddings, ln_f, tied head)
     optim = torch.optim.AdamW(model.parameters())   # parameters() now yields this rank's shards
 
-``fully_shard`` works in place: it replaces the unit's own parameters by FlatParameters (Task 2),
-registers the unit's whole life cycle (Task 6's ``PrefetchHooks``, which extends Task 4's ``BackwardHooks``,
-which extends Task 3's ``ForwardHooks``), and swaps the module's class for a subclass that also inherits
-``FSDPModule`` (as PyTorch's FSDP2 does), adding FSDP methods. The tree of units is set up lazily, at the
-first forward: the unit whose forward runs first is the root (``lazy_init``).
+``fully_shard`` works in place: the unit's own parameters become FlatParameters (Task 2), the unit runs the
+whole life cycle of Tasks 3, 4 and 6 (Task 6's ``PrefetchHooks``), and the module becomes an ``FSDPModule`` too,
+as with PyTorch's FSDP2 (``isinstance`` holds for both its own class and ``FSDPModule``), with FSDP's methods. The
+unit whose forward runs first is the root of every unit in its subtree: only then is the tree complete.
+
+Every rule of Tasks 3 to 6 holds on ``fully_shard``'s units. The problems to solve: which parameters a unit owns
+when its children are units already; a weight tied across two units, which no single call sees whole; which unit
+is the root. Stuck? ``hints/task7/`` has, per topic, a question, a mechanism and a recipe (one file each).
 
 Two bonus keywords, spelled as FSDP2 spells them (the required tasks never pass them):
 
 - ``mesh``: a ``DeviceMesh``. 1-D: shard over its ranks. 2-D ``(R, K)`` (HSDP, hybrid sharding): dim 0
   replicates and dim 1 shards, as in FSDP2. Each unit is sharded K ways over its shard group (all-gathers
   and reduce-scatters of K ranks) and replicated over its replicate group of R ranks, across which each
-  reduced gradient shard is all-reduced once per unit and step (a subclass of Task 6's hooks): the gradient is the mean
-  over all R x K ranks, and every replica keeps identical shards.
+  reduced gradient shard is all-reduced once per unit and step: the gradient is the mean over all R x K
+  ranks, and every replica keeps identical shards.
 - ``offload_policy``: ``torch.distributed.fsdp.CPUOffloadPolicy`` keeps the shards, their gradients and so
   the optimizer state on the CPU (pinned where the device allows); a unit's unsharded buffer, its full
   gradient and its collectives stay on the compute device. The copies are Tasks 3 and 4's: ``unshard``
@@ -45,7 +48,8 @@ FLAT_PARAM_NAMES = ("_fsdp_flat_param", "_fsdp_flat_param_frozen")
 
 
 class FSDPModule:
-    """Mixed into every module passed to ``fully_shard`` (``type(module)`` becomes ``FSDP<Name>``)."""
+    """Every module passed to ``fully_shard`` becomes an instance of this class too, and stays one of its own
+    class (as in FSDP2, whose module classes become ``FSDP<Name>``)."""
 
     @property
     def fsdp_unit(self) -> FSDPUnit:
@@ -61,31 +65,35 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
                 offload_policy=None) -> nn.Module:
     """Make ``module`` one FSDP unit, in place, and return it.
 
-    The unit owns every parameter in ``module``'s subtree that no child unit owns (call ``fully_shard`` on children
-    first). Trainable and frozen parameters go into separate FlatParameters, registered on ``module`` as
-    ``_fsdp_flat_param`` / ``_fsdp_flat_param_frozen``. ``mixed_precision`` is a
-    ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` is the dtype parameters are gathered and
-    computed in, ``reduce_dtype`` the dtype gradients are reduced in (default: ``param_dtype``); buffers are never cast (a
-    floating-point buffer keeps its dtype, in forward and in the state dicts, as with FSDP2). Its
-    ``output_dtype`` (FSDP2 casts each unit's forward output to it) is not part of the assignment: raise
-    ``NotImplementedError`` naming ``output_dtype`` when it is set, or implement it as FSDP2 does; never ignore it
-    (a policy field that silently does nothing). The default process group must be initialized. Raises
-    ``ValueError`` when ``module`` is already a unit, or when one of its parameters, trainable or frozen, was already
-    flattened by another unit, a child or a sibling (a parameter tied across units, e.g. ``fully_shard(m.embed); fully_shard(m.head)``
-    with ``head.weight is embed.weight``): sharding it twice would give it two independent copies that training
-    silently unties. The message names both units; the fix is to apply ``fully_shard`` once, to a module that
-    contains every user of the tied parameter. A sibling is not in ``module``'s subtree, so the check needs a record
-    that travels with the parameter: mark each parameter you flatten with the unit that flattened it (PyTorch's
-    FSDP2 raises the same error, at the root's lazy init). A tie inside one unit is fine: the tied parameter is kept
-    under the first of its names in ``module.named_parameters(remove_duplicate=False)`` order.
+    The unit owns every parameter in ``module``'s subtree that no child unit owns (call ``fully_shard`` on
+    children first). Trainable and frozen parameters go into separate FlatParameters, whose shards are
+    registered on ``module`` as ``_fsdp_flat_param`` / ``_fsdp_flat_param_frozen``: afterwards
+    ``module.parameters()`` yields shards only (about 1/W of the model), and no original parameter stays alive.
     Sets ``module._fsdp_unit`` to the new ``FSDPUnit``: that attribute is what makes a module a unit for
     ``support.state.fsdp_units`` and ``named_flat_params`` (and what the tests read to find a unit), so use
-    exactly this name. Registers, in this order, a forward pre-hook that calls ``lazy_init`` at the first
-    forward, then ``PrefetchHooks().register(unit)`` (with HSDP, a subclass that adds the all-reduce across
-    replicas): Task 6's hooks, not Task 4's, so that ``set_prefetch`` works on ``fully_shard``'s units (the
-    tests check that prefetching happens on this path). The switches are read where they are used, never
-    cached: ``set_prefetch``, ``set_requires_gradient_sync`` and each unit's ``unit.reshard_after_forward``
-    may be changed between two iterations and are in effect in the very next one.
+    exactly this name. The unit runs Task 6's life cycle (``PrefetchHooks``, not Task 4's: the tests check that
+    prefetching happens on this path), and its tree is ready (``is_root``, one ``SharedState``) by the time the
+    root's first forward runs. The switches are read where they are used, never cached: ``set_prefetch``,
+    ``set_requires_gradient_sync`` and each unit's ``unit.reshard_after_forward`` may be changed between two
+    iterations and are in effect in the very next one.
+
+    ``mixed_precision`` is a ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` is the dtype
+    parameters are gathered and computed in (floating-point inputs, positional and keyword, are cast to it
+    unless its ``cast_forward_inputs`` is False), ``reduce_dtype`` the dtype gradients are reduced and summed
+    in (default: ``param_dtype``); shards and their gradients keep the parameters' dtype, and buffers are
+    never cast (a floating-point buffer keeps its dtype, in forward and in the state dicts, as with FSDP2). Its
+    ``output_dtype`` (FSDP2 casts each unit's forward output to it) is not part of the assignment: raise
+    ``NotImplementedError`` naming ``output_dtype`` when it is set, or implement it as FSDP2 does; never ignore it
+    (a policy field that silently does nothing).
+
+    Errors: ``RuntimeError`` when the default process group is not initialized. ``ValueError`` when ``module``
+    is already a unit, or when one of its parameters, trainable or frozen, was already flattened by another unit,
+    a child or a sibling, in either order (a parameter tied across units, e.g. ``fully_shard(m.embed);
+    fully_shard(m.head)`` with ``head.weight is embed.weight``): sharding it twice would give it two independent
+    copies that training silently unties. The message names both units (their classes as the user knows them,
+    e.g. ``Embedding`` and ``Linear``); the fix is to apply ``fully_shard`` once, to a module that contains every
+    user of the tied parameter. A sibling is not in ``module``'s subtree. A tie inside one unit is fine: the tied
+    parameter is kept under the first of its names in ``module.named_parameters(remove_duplicate=False)`` order.
 
     Bonus keywords (see the module docstring): ``mesh``, a 1-D or 2-D ``DeviceMesh`` (None: the default
     group); with a 2-D mesh ``(R, K)`` the FlatParameters are built for the rank's place in its shard group
@@ -106,10 +114,9 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
 
 
 def lazy_init(root: FSDPUnit) -> None:
-    """Called by the forward pre-hook ``fully_shard`` registers, at the first forward of a unit that has no
-    tree yet: that unit becomes the root and every unit in its module's subtree shares one ``SharedState``
-    (``init_shared_state``, provided). Done lazily because only then is the tree complete (children are
-    sharded before their parent) and the root known. ``set_prefetch`` (Task 6) may create the state earlier."""
+    """Suggested helper (the tests do not call it): make ``root`` the root of every unit in its module's
+    subtree, all sharing one ``SharedState`` (``init_shared_state`` is provided). ``root`` is the unit whose
+    forward runs first; ``set_prefetch`` (Task 6) may have created the state earlier."""
     raise NotImplementedError("Task 7: implement lazy_init() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
 

@@ -1,32 +1,47 @@
 """Task 4: backward.
 
-A unit that resharded after forward must be all-gathered again before autograd runs its backward, because
-the views autograd saved point into the (now empty) unsharded buffer. As soon as autograd has finished the
-unit's backward, the unit reduce-scatters its padded flat gradient ``unsharded.grad`` (mean over ranks) into
-its shard's ``.grad`` and frees both the full gradient and the full parameters: trainable or frozen.
+A unit's backward needs its full parameters again (autograd saved views of the buffer that post-forward freed)
+and leaves a padded flat gradient that every rank must turn into its slice of the mean over ranks. The tests
+observe, for every unit and every ``loss.backward()``:
 
-Why "finished the unit's backward" and not "its gradient is ready": take a LoRA-style model, where every
-block holds a frozen base weight and a small trainable adapter. The frozen FlatParameter never gets a
-gradient, so nothing on it tells you when its block is done; if only the final callback freed it, every
-block's frozen weights would be unsharded at the end of backward at once, which is the whole model. So, as
-PyTorch's FSDP2 does, the unit applies an identity autograd function to its forward *inputs*
-(``RegisterPostBackward``): autograd calls its backward once the gradients of those inputs are complete,
-after every operation of the unit has run its backward, and that backward calls ``post_backward``.
+- gradients: each trainable shard's ``.grad`` is this rank's slice of the single-process gradient of the mean
+  loss over the global batch (relative error at most 1e-5), in the shard's dtype, with zero padding; a frozen
+  FlatParameter gets no gradient (``shard.grad`` stays None); a second backward without zeroing adds to the
+  first, as plain PyTorch does;
+- when ``loss.backward()`` returns: every reduction has landed in ``shard.grad``, no unit is unsharded, no full
+  gradient (``unsharded.grad``) is alive, and every asynchronous collective has been waited on;
+- during backward: at most one non-root unit is unsharded at any moment, the one whose backward runs (Task 6's
+  prefetching adds one); the root may stay unsharded until the backward ends;
+- a unit is resharded as soon as its own backward is done, frozen parameters included, and a unit whose forward
+  inputs (positional or keyword) carry a gradient has issued its reduce-scatter by then: when the model's input
+  requires grad, every reduce-scatter is issued before autograd computes that input's gradient;
+- collectives: a backward all-gathers again exactly the units that were resharded after forward, each once (the
+  root once or not at all), and reduce-scatters each trainable FlatParameter's padded full gradient once (in
+  ``reduce_dtype`` when set); nothing else, no all-reduce. Every rank issues the same collectives in the same
+  order, so nothing ever hangs.
 
-Invariants: every reduce-scatter has finished and landed in ``shard.grad`` when ``loss.backward()``
-returns (``finalize_backward`` runs as autograd's final callback, the backstop for units whose
-post-backward autograd never ran: inputs that need no gradient, detached outputs, units not used); the
-padding of ``shard.grad`` is zero; no unit stays unsharded after backward, and during it at most one
-non-root unit is unsharded at any moment, the one whose backward runs (activation-checkpointing
-recomputation included; Task 6's prefetching adds the next one; the root, whose output is the loss, may
-stay unsharded until the final callback); each unit is all-gathered at most once per backward (only if it
-was resharded after forward; a reentrant recomputation's gather is that one, see ``post_forward``); a unit
-whose parameters got no gradient never blocks (there is nothing to reduce for it, on every rank alike).
+The hard cases, each a test; your design must solve them:
+
+- frozen parameters (``LoRAModel`` in ``support/models.py``): every block holds a frozen base weight beside a
+  trainable adapter, so every unit has a FlatParameter that never gets a gradient, and yet each unit must be
+  resharded when its own backward is done; one block may be frozen entirely, and behind a frozen embedding the
+  first block's input needs no gradient;
+- a unit with several outputs (a tuple, non-tensors included) of which the loss uses only one, whichever it is;
+- a unit run twice in one forward (its gradient is the sum of both runs');
+- a unit whose output is detached, a unit that runs forward but never reaches the loss, and a loss made from a
+  block's output that the root does not return (the root's output never gets a gradient): the rules above still
+  hold when ``loss.backward()`` returns, and such a unit gets no gradient (or zeros);
+- a forward under ``torch.no_grad()`` (evaluation) followed by a training step: every gradient still arrives;
+- activation checkpointing (``torch.utils.checkpoint``) around a unit or around a block inside a unit, with
+  ``use_reentrant=True`` or ``False``, early stop on or off: the gradients above, the bound on unsharded units
+  during the recomputation too, and each unit all-gathered exactly once per backward (counted per unit).
 
 Known difference from single-process PyTorch: a trainable parameter that took no part in the forward still
 gets a gradient, of zeros, when another parameter of its FlatParameter got one (autograd fills the whole
 flat gradient), where plain PyTorch leaves its ``.grad`` at ``None``. Optimizers treat the two differently
 (AdamW's weight decay moves a parameter whose gradient is zero, and skips one whose gradient is ``None``).
+
+Stuck on one of them? ``hints/task4/`` has, per topic, a question, a mechanism and a recipe (one file each).
 """
 
 from __future__ import annotations
@@ -99,9 +114,14 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class RegisterPostBackward(torch.autograd.Function):
-    """Identity on the unit's forward inputs; its backward, which autograd runs once the gradients of those
-    inputs are complete (after every operation of the unit), calls ``hooks.post_backward(unit)``."""
+# When is a unit's backward done? Not "when its gradient is ready": a LoRA block's frozen FlatParameter never gets
+# a gradient, so nothing on it says when its block is done; if only the final callback freed it, every block's
+# frozen weights would be unsharded at the end of backward at once, the whole model. So, as PyTorch's FSDP2 does,
+# the unit passes its forward *inputs* through this identity autograd function: autograd calls its backward once
+# the gradients of those inputs are complete, after every operation of the unit has run its backward, and that
+# backward calls ``post_backward``.
+class _RegisterPostBackward(torch.autograd.Function):
+    """Identity on the unit's forward inputs; its backward calls ``hooks.post_backward(unit)``."""
 
     @staticmethod
     def forward(ctx, hooks, unit, *inputs):
@@ -118,58 +138,64 @@ class RegisterPostBackward(torch.autograd.Function):
 
 
 class BackwardHooks(ForwardHooks):
-    """Task 3's forward life cycle plus backward: pre-backward re-gather, post-backward reduce-scatter and
-    reshard, and the final callback. Task 6's ``PrefetchHooks`` extends it."""
+    """A unit's life cycle in forward and backward.
+
+    The tests call only ``BackwardHooks().register(unit)`` (Task 3's ``register``): afterwards every forward and
+    backward through ``unit.module`` keeps the module docstring's rules. Task 6's ``PrefetchHooks`` extends this
+    class, and Task 7's ``fully_shard`` registers that.
+
+    Suggested decomposition (you may restructure it, and Task 6's with it): ``pre_backward`` runs before the
+    unit's backward computation, ``post_backward`` once it is done, ``finalize_backward`` once at the end of each
+    backward pass; ``reduce_grad`` and ``reduce_scatter`` reduce one FlatParameter's gradient; Task 6 overrides
+    ``pre_forward``, ``pre_backward``, ``reduce_scatter`` and ``wait_for_reductions``. How each of them gets
+    called at its moment is this task's design.
+    """
 
     def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Task 3's ``pre_forward``, after registering the post-backward trigger on the inputs.
-
-        When autograd is recording, pass the floating-point input tensors that require grad, positional and
-        keyword arguments alike, through ``RegisterPostBackward`` (one call for all of them; none when no
-        input requires grad) and continue with the returned inputs. Do it *before* Task 3's ``pre_forward``
-        makes the parameter views: autograd runs ready nodes newest first, so the views' node (which
-        accumulates ``unsharded.grad``) is then guaranteed to run before ``post_backward`` reads the gradient.
-        The tests check that every unit whose inputs carry a gradient reduces it from this trigger, before
-        backward reaches the root's inputs, not later from the final callback.
-
-        Activation checkpointing: a forward that runs while the unit is in PRE_BACKWARD is the recomputation
-        of a checkpointed region during the unit's own backward (``torch.utils.checkpoint`` with
-        ``use_reentrant=False``). It must only make sure the unit is unsharded (``wait_for_unshard``) and
-        return the cast inputs: no new post-backward trigger, no change of state.
+        """Runs before every forward of ``unit.module`` (Task 3's, extended), including a forward that activation
+        checkpointing runs again during backward to recompute a region. Returns the ``(args, kwargs)`` the forward
+        runs with: the inputs cast as Task 3 casts them (same values; they may be other tensor objects). A
+        recomputation finds the unit unsharded or makes it so, and gathers nothing more than the module
+        docstring allows.
         """
+        # Activation checkpointing, use_reentrant=False: a forward while the unit is in PRE_BACKWARD is the
+        # recomputation of a checkpointed region during the unit's own backward. Only make sure the unit is
+        # unsharded and cast the inputs: no new post-backward trigger, no change of state.
         if unit.training_state == TrainingState.PRE_BACKWARD:
             wait_for_unshard(unit)
             return cast_forward_inputs(unit, args, kwargs)
+        # The post-backward trigger on every input that requires grad, positional and keyword alike (one call for
+        # all of them; none when no input requires grad). Applied *before* Task 3's pre_forward makes the
+        # parameter views: autograd runs ready nodes newest first, so the views' node (which accumulates
+        # ``unsharded.grad``) then always runs before post_backward reads the gradient.
         if torch.is_grad_enabled():
             inputs = [t for t in _flatten_tensors((args, kwargs)) if t.requires_grad]
             if inputs:
-                outputs = RegisterPostBackward.apply(self, unit, *inputs)
+                outputs = _RegisterPostBackward.apply(self, unit, *inputs)
                 new = {id(t): o for t, o in zip(inputs, outputs)}
                 args, kwargs = _replace_tensors(args, new), _replace_tensors(kwargs, new)
         return super().pre_forward(unit, args, kwargs)
 
     def post_forward(self, unit: FSDPUnit, output):
-        """Task 3's ``post_forward``; then, when autograd is recording, arrange for ``self.pre_backward(unit)``
-        to run once, when autograd first reaches any of ``output``'s tensors that require grad
-        (``torch.autograd.graph.register_multi_grad_hook(..., mode="any")``). During a recomputation
-        (the unit is in PRE_BACKWARD, see ``pre_forward``) do nothing: the unit stays unsharded for the
-        backward that is running. Returns ``output``.
-
-        Reentrant checkpointing around a whole unit (``checkpoint(block, x, use_reentrant=True)``) is the
-        other recomputation: the first forward ran under ``torch.no_grad()`` (so it registered no hooks), and
-        the recomputation runs during backward (``torch._C._current_graph_task_id() != -1``) as an ordinary
-        forward of the unit, whose own backward follows at once. Then do not reshard (skip Task 3's
-        ``post_forward``, just mark the unit IDLE) and still register the pre-backward hook: the unit is
-        all-gathered once per backward, by the recomputation (the tests count the all-gathers per unit per
-        backward: resharding here costs one more per unit)."""
+        """Runs after every forward of ``unit.module`` (Task 3's, extended), recomputations included; returns
+        ``output`` unchanged. Arranges for ``self.pre_backward(unit)`` to run before autograd computes anything
+        of the unit's backward, whichever of ``output``'s tensors (nested tuples, lists and dicts; non-tensors
+        ignored) the loss depends on. Reshards as Task 3 does (``reshard_after_forward``), except that a unit is
+        never resharded between a recomputation and the backward that needs it."""
+        # Non-reentrant recomputation (PRE_BACKWARD, see pre_forward): do nothing, the unit stays unsharded for
+        # the backward that is running.
         if unit.training_state == TrainingState.PRE_BACKWARD:
             return output
         if _in_backward():
             # A reentrant recomputation: its backward comes next; a reshard here would only be undone by
-            # pre_backward's re-gather (two all-gathers for one backward).
+            # pre_backward's re-gather (two all-gathers for one backward). Reentrant checkpointing around a whole
+            # unit runs the first forward under no_grad (no hooks registered), and the recomputation during
+            # backward as an ordinary forward of the unit: mark it IDLE and still register the pre-backward hook.
             unit.training_state = TrainingState.IDLE
         else:
             output = super().post_forward(unit, output)
+        # pre_backward runs once, when autograd first reaches any of the output tensors that require grad
+        # (mode="any": with "all", an output the loss does not use would hold it back forever).
         if torch.is_grad_enabled():
             tensors = [t for t in _flatten_tensors(output) if t.requires_grad]
             if tensors:
@@ -178,22 +204,17 @@ class BackwardHooks(ForwardHooks):
         return output
 
     def pre_backward(self, unit: FSDPUnit) -> None:
-        """Before the unit's backward: queue ``self.finalize_backward(unit.shared)`` as autograd's final
-        callback once per backward pass (``torch.autograd.Variable._execution_engine.queue_callback``;
-        ``shared.backward_callback_queued`` says whether it is queued), mark the unit PRE_BACKWARD and
-        make it UNSHARDED (``wait_for_unshard``: re-gathers it if it was resharded).
-
-        Make the views under ``torch.enable_grad()``: autograd runs hooks with grad mode off, and a
-        reentrant activation checkpoint inside the unit (``use_reentrant=True``) recomputes its forward
-        from these views, so they must be connected to ``unsharded`` for its gradient to reach it.
-
-        Where the callback is queued matters under reentrant checkpointing: a reentrant recomputation runs
-        its own, nested backward pass (a separate graph task), and a callback queued from a hook inside it
-        runs when that nested pass ends, long before the whole backward is done. Queue it from the first
-        pre-backward of the outer pass, whichever unit's it is (usually the root's, whose output is the loss;
-        but a loss may be made from a unit's output that the root does not return, and then the root's
-        pre-backward never runs) and, once ``shared.backward_callback_queued`` is set, never again until
-        ``finalize_backward`` clears it."""
+        """Runs before autograd computes anything of the unit's backward (see ``post_forward``). Afterwards the
+        unit is UNSHARDED (all-gathered again only if it was resharded) and its parameter names are views through
+        which the gradients reach ``unsharded.grad``, also for a checkpointed region inside the unit that is
+        recomputed from them. Raises ``RuntimeError`` when ``unit.shared`` is None (the tree was never
+        initialized: ``support.state.init_shared_state``, which Task 7's ``lazy_init`` calls)."""
+        # Queue finalize_backward as autograd's final callback from the first pre-backward of the pass, whichever
+        # unit's it is (usually the root's, whose output is the loss; but a loss may be made from a unit's output
+        # that the root does not return, and then the root's pre-backward never runs), and never again until
+        # finalize_backward clears the flag. Where matters under reentrant checkpointing: the recomputation runs
+        # its own nested backward pass, and a callback queued from a hook inside it would run when that nested
+        # pass ends, long before the whole backward is done.
         shared = unit.shared
         if shared is None:
             raise RuntimeError("pre_backward: unit.shared is None; the tree was never initialized "
@@ -201,6 +222,8 @@ class BackwardHooks(ForwardHooks):
         if not shared.backward_callback_queued:
             shared.backward_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finalize_backward(shared))
+        # Views made under enable_grad: autograd runs hooks with grad mode off, and a reentrant checkpoint inside
+        # the unit recomputes its forward from these views, so they must be connected to ``unsharded``.
         unit.training_state = TrainingState.PRE_BACKWARD
         with torch.enable_grad():
             wait_for_unshard(unit)
@@ -208,11 +231,12 @@ class BackwardHooks(ForwardHooks):
     def post_backward(self, unit: FSDPUnit) -> None:
         """The unit's backward is done: reduce its gradients and reshard it, frozen parameters included.
 
-        For each trainable FlatParameter whose ``unsharded.grad`` is set: drop ``unsharded.grad`` and hand
-        it to ``self.reduce_grad``. Then reshard the unit (``reshard_unit``), frozen FlatParameters included
-        (their ``shard.grad`` stays None), and mark it POST_BACKWARD.
-        Safe to call more than once per backward (a unit run twice in forward gets one call per run: each
-        reduces what was accumulated since the last) and when nothing happened (nothing to reduce).
+        Each trainable FlatParameter whose full gradient ``unsharded.grad`` is set gives it up (nothing may keep
+        it alive) to ``self.reduce_grad``; then every FlatParameter of the unit is resharded (a frozen one's
+        ``shard.grad`` stays None) and the unit is marked POST_BACKWARD. It must run as soon as every operation
+        of the unit's backward has run, for a unit without any gradient too (the module docstring's frozen
+        units). Safe to call more than once per backward (a unit run twice in forward: each call reduces what
+        accumulated since the last) and when nothing happened (nothing to reduce).
         """
         unit.training_state = TrainingState.POST_BACKWARD
         for flat_param in unit.flat_params:
@@ -223,14 +247,14 @@ class BackwardHooks(ForwardHooks):
         reshard_unit(unit)
 
     def reduce_grad(self, unit: FSDPUnit, flat_param: FlatParameter, grad: torch.Tensor) -> None:
-        """Reduce one full flat gradient ``grad`` of ``flat_param`` into ``flat_param.shard.grad``.
+        """Reduce one full flat gradient ``grad`` of the trainable ``flat_param`` into ``flat_param.shard.grad``.
 
-        ``grad`` is kept in ``reduce_dtype`` (``unit.reduce_dtype``, else its own dtype) and added to any
-        gradient accumulated without sync (``flat_param.unsynced_grad``, which is then cleared). With
-        gradient sync off (``unit.requires_gradient_sync`` False, Task 7) the sum is stored back in
-        ``unsynced_grad`` for a later synced backward; with sync on it is reduce-scattered
-        (``reduce_scatter_grad``, synchronously here; Task 6 overrides ``reduce_scatter`` to go async)
-        and added to ``shard.grad`` (``accumulate_shard_grad``)."""
+        With gradient sync off (``unit.requires_gradient_sync`` False: Task 7's ``set_requires_gradient_sync``)
+        nothing is communicated: the gradient is kept, full, in ``flat_param.unsynced_grad``, summed with any
+        kept before; the next backward with sync on reduces that sum plus its own gradient, once. Gradients are
+        summed and reduced in ``unit.reduce_dtype`` (else their own dtype): small gradients summed in bf16 are
+        lost."""
+        # Synchronous here (reduce_scatter); Task 6 overrides reduce_scatter to go asynchronous.
         grad = grad.to(unit.reduce_dtype or grad.dtype)
         if flat_param.unsynced_grad is not None:
             grad = flat_param.unsynced_grad.add_(grad)
@@ -247,12 +271,15 @@ class BackwardHooks(ForwardHooks):
         accumulate_shard_grad(flat_param, grad_shard)
 
     def finalize_backward(self, shared: SharedState) -> None:
-        """Autograd's final callback, the backstop: run ``self.post_backward`` for every unit that is still
-        unsharded, has a prefetched all-gather in flight (a unit prefetched by the recorded order that then did
-        not run) or holds an ``unsharded.grad`` (its post-backward autograd never ran: no input required
-        grad, its output was detached, or it ran forward but not backward), then ``self.wait_for_reductions``,
-        then mark every unit IDLE and clear ``shared.backward_callback_queued``. Units in reverse module
-        pre-order, roughly the order backward reaches them."""
+        """Runs exactly once per backward pass, after autograd's last operation of it (nested passes that a
+        reentrant checkpoint runs inside it included), whichever unit the loss came from: the backstop that makes
+        the module docstring's "when ``loss.backward()`` returns" rules hold. It runs ``self.post_backward`` for
+        every unit that still needs it (still unsharded, holding a full gradient, or with an all-gather in flight:
+        a unit that Task 6 prefetched and that then did not run), then finishes every reduction in flight
+        (``self.wait_for_reductions``), and leaves every unit ready for the next iteration."""
+        # Backstop for units whose post-backward autograd never ran: no input required grad, the output was
+        # detached, or the unit ran forward but not backward. Reverse module pre-order, roughly backward's order;
+        # post_backward may issue reductions, so they are waited on after it.
         for unit in reversed(shared.units):
             if unit.sharded_state == ShardedState.UNSHARDED or unit.pending_unshard or any(
                     fp.requires_grad and fp.unsharded.grad is not None for fp in unit.flat_params):

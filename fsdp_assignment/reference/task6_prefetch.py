@@ -1,26 +1,36 @@
 """Task 6: prefetching.
 
-Without prefetching, each unit's all-gather sits on the critical path: compute waits for communication.
-With it, the all-gather of the unit that runs next is issued asynchronously while the current unit computes
-(forward and backward), and reduce-scatters run asynchronously behind the next unit's backward.
+With prefetching on, the all-gather of the unit that runs next is issued asynchronously while the current unit
+computes, in forward and in backward, and reduce-scatters run asynchronously behind the next unit's backward.
+"Next" is learned, not assumed: forward prefetch follows the order of the previous iteration's forward (the first
+iteration prefetches nothing in forward), and backward runs the units in the reverse of the forward just run. A
+model may change that order between iterations, skip a unit, or run one twice.
 
-What "next" means is learned, not assumed: the order in which units ran their forward is recorded every
-iteration. Forward prefetch uses the order of the previous forward (the first iteration prefetches nothing);
-backward runs the units in the reverse of the forward just recorded.
+The tests observe, with prefetching on (``shared.prefetch``), from the order in which counted collectives are
+issued relative to every module's forward and backward:
 
-Invariants: prefetching never changes a single number (results are bitwise identical with it on or off);
-at most two non-root units are unsharded at any moment (the one computing and the one prefetched), during
-an activation-checkpointing recomputation too; each unit is all-gathered exactly once per forward, and once
-per backward if it was resharded after forward (a prefetched unit waits on its own handle and uses that
-gather, it never gathers again); an all-gather in flight is always waited on before its buffer is used or
-freed; every asynchronous reduce-scatter has landed in ``shard.grad`` when ``loss.backward()`` returns.
+- results are bitwise identical with prefetching on or off, with collectives that finish late (an asynchronous
+  result reads as NaN until its handle is waited on);
+- forward: each unit's all-gather is asynchronous (``async_op=True``) and issued before the forward computation
+  of the unit that ran before it in the previous forward begins;
+- backward: the units are all-gathered in the reverse of this forward's order, each asynchronously, before the
+  backward computation of the unit whose backward precedes it begins and before that unit's reduce-scatter (the
+  last unit of the forward: before its own backward computation, the root's backward running first);
+- reduce-scatters: all asynchronous, at most one in flight at any moment, each still in flight when the backward
+  reaches the next unit, all landed in ``shard.grad`` when ``loss.backward()`` returns;
+- at most two non-root units unsharded at any moment (the one computing, the one prefetched), also during an
+  activation-checkpointing recomputation, after an order change and with a unit run twice; each unit all-gathered
+  exactly once per forward, and once per backward if it was resharded after forward; an all-gather in flight is
+  waited on before its buffer is used or freed; a unit prefetched that then does not run is resharded, its gather
+  waited on, by the end of backward, and never serves stale parameters;
+- after an order change, the first forward may still prefetch by the old order; the next one follows the new.
 
-Prefetching is checked to happen, not only to stay within bounds (from the order in which a test's counted
-collectives are issued relative to every module's forward and backward): with it on, the next unit's all-gather
-is issued before the current unit's forward ends (once a forward has recorded the order) and before the current
-unit's backward computation ends, and each reduce-scatter is still in flight when the backward reaches the next
-unit; with it off, no unit is all-gathered before its own pre-forward or pre-backward. ``set_prefetch`` between
-two iterations is in effect in the very next one.
+Off, everything behaves as Task 4's: nothing is gathered before its own unit's pre-forward or pre-backward, and
+reduce-scatters are synchronous. ``set_prefetch`` between two iterations is in effect in the very next one.
+
+Problems to solve: a forward that runs during backward (an activation-checkpointing recomputation) is not a new
+iteration; a unit that runs a second time at the end of a forward; a unit prefetched that then does not run.
+Stuck? ``hints/task6/`` has, per topic, a question, a mechanism and a recipe (one file each).
 """
 
 from __future__ import annotations
@@ -36,13 +46,13 @@ from .task4_backward import BackwardHooks, _in_backward, accumulate_shard_grad, 
 
 def set_prefetch(module: nn.Module, enabled: bool) -> None:
     """Turn prefetching (forward and backward all-gather prefetch, async reduce-scatter) on or off for the
-    tree of units rooted at ``module`` (the root unit's module), by setting ``shared.prefetch``. Off by
-    default. Before the tree's first forward there is no ``SharedState`` yet: create it with
-    ``init_shared_state`` (provided), as Task 7's lazy init would; raise ``ValueError`` when ``module`` is
-    not a unit's module. It may be called between any two iterations, and takes effect in the very next
-    one: backward prefetch and asynchronous reduce-scatters at once, forward prefetch once a forward with
-    prefetching on has recorded the order; switched off, nothing is gathered ahead any more (no backward
-    prefetch by an order recorded earlier) and reduce-scatters are synchronous again."""
+    tree of units rooted at ``module`` (the root unit's module): afterwards ``shared.prefetch`` says which.
+    Off by default. Works before the tree's first forward too, when no ``SharedState`` exists yet
+    (``init_shared_state`` is provided); ``ValueError`` when ``module`` is not a unit's module. It may be
+    called between any two iterations, and takes effect in the very next one: backward prefetch and
+    asynchronous reduce-scatters at once, forward prefetch once a forward with prefetching on has recorded the
+    order; switched off, nothing is gathered ahead any more (no backward prefetch by an order recorded earlier)
+    and reduce-scatters are synchronous again."""
     units = fsdp_units(module)
     if not units or units[0].module is not module:
         raise ValueError("set_prefetch: call it on the root module, after fully_shard(root)")
@@ -52,9 +62,11 @@ def set_prefetch(module: nn.Module, enabled: bool) -> None:
 
 
 def record_forward_order(unit: FSDPUnit) -> None:
-    """Called at the start of each unit's forward: append ``unit`` to the order being recorded. The first
-    unit of the tree (``shared.units[0]``, the root) starts a new recording; the finished recording of the
-    previous forward becomes ``shared.forward_order``."""
+    """Suggested helper (the tests do not call it): note that ``unit``'s forward has begun, for the order
+    the prefetches follow: the previous forward's whole order (forward prefetch) and this forward's so far
+    (backward prefetch, and what already ran). ``SharedState`` provides fields for both; any structure works."""
+    # The root (shared.units[0]) starts a new recording; the finished recording of the previous forward becomes
+    # shared.forward_order. A unit run twice is recorded once.
     shared = unit.shared
     if unit is shared.units[0]:
         if shared.recording_order:
@@ -71,9 +83,12 @@ def _issue_unshard(unit: FSDPUnit) -> None:
 
 
 def prefetch_forward(unit: FSDPUnit) -> None:
-    """Issue the async all-gather of the unit that ran right after ``unit`` in the previous forward, unless
-    that unit has already run in this forward (``unit`` runs a second time, after its successor: the
-    successor's gather would go unused until backward, a third unit unsharded all along)."""
+    """Suggested helper: issue, asynchronously, the all-gather of the unit expected to run after ``unit``
+    in this forward, within the module docstring's bounds. Task 3's ``wait_for_unshard`` waits on the handles
+    it finds in the prefetched unit's ``pending_unshard`` instead of gathering again."""
+    # The unit that ran right after ``unit`` in the previous forward, unless it has already run in this one
+    # (``unit`` runs a second time, after its successor: the successor's gather would go unused until backward,
+    # a third unit unsharded all along).
     shared = unit.shared
     order = shared.forward_order
     if unit in order:
@@ -83,9 +98,11 @@ def prefetch_forward(unit: FSDPUnit) -> None:
 
 
 def prefetch_backward(unit: FSDPUnit) -> None:
-    """Issue the async all-gather of the unit whose backward runs after ``unit``'s: the one that ran right
-    before it in this iteration's forward. The root is the exception: it ran first in forward, and its
-    backward starts first (the loss is its output), so the unit after it is the last one to run forward."""
+    """Suggested helper: issue, asynchronously, the all-gather of the unit whose backward runs right after
+    ``unit``'s (the module docstring's backward order; the root's backward runs first, although it also ran
+    first in forward)."""
+    # The one that ran right before ``unit`` in this iteration's forward; for the root (first in forward, first
+    # in backward: the loss is its output) the last one to run forward.
     order = unit.shared.recording_order
     if unit in order:
         i = order.index(unit)
@@ -96,15 +113,18 @@ def prefetch_backward(unit: FSDPUnit) -> None:
 
 
 class PrefetchHooks(BackwardHooks):
-    """Task 4's life cycle plus prefetching, active while ``unit.shared.prefetch`` is on: forward and
-    backward all-gather prefetch, and asynchronous reduce-scatters (at most one in flight). With prefetching
-    off every method behaves exactly as Task 4's. Task 7's ``fully_shard`` registers this class."""
+    """Task 4's life cycle plus prefetching, while ``unit.shared.prefetch`` is on (read at every use, never
+    cached): forward and backward all-gather prefetch, and asynchronous reduce-scatters. With prefetching off
+    every method behaves exactly as Task 4's. The tests call only ``PrefetchHooks().register(unit)``; Task 7's
+    ``fully_shard`` registers this class. Suggested decomposition (you may restructure it): Task 4's methods,
+    four of them overridden below."""
 
     def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """With prefetching on: ``record_forward_order(unit)``, then Task 4's ``pre_forward`` (the unit's own
-        all-gather is waited on first), then ``prefetch_forward(unit)``: so at most this unit and the next
-        one are unsharded. A forward that runs during backward (activation checkpointing recomputation:
-        ``torch._C._current_graph_task_id() != -1``) neither records nor prefetches."""
+        """Task 4's ``pre_forward``; with prefetching on, also the forward's share of the order and of the
+        forward prefetch (the module docstring's rules, bound included). A forward that runs during backward
+        (an activation-checkpointing recomputation) neither records the order nor prefetches."""
+        # Record, then Task 4's pre_forward (the unit's own all-gather waited on first), then prefetch: so at most
+        # this unit and the next one are unsharded. _in_backward(): a recomputation.
         if not unit.shared.prefetch or _in_backward():
             return super().pre_forward(unit, args, kwargs)
         record_forward_order(unit)
@@ -120,13 +140,13 @@ class PrefetchHooks(BackwardHooks):
             prefetch_backward(unit)
 
     def reduce_scatter(self, unit: FSDPUnit, flat_param: FlatParameter, grad: torch.Tensor) -> None:
-        """With prefetching on: issue the reduce-scatter asynchronously and append ``(work, flat_param,
-        grad_shard, grad)`` to ``shared.pending_reduce_scatters`` (``grad`` stays referenced until the
-        collective has read it); then finish the older ones (wait, ``accumulate_shard_grad``) so that at
-        most one is in flight. The new one is not waited on here: it overlaps the next unit's backward and is
-        finished when the next one is issued or in ``wait_for_reductions`` (waiting at once overlaps nothing;
-        a test checks that it is still in flight when the backward reaches the next unit). Off: Task 4's
-        synchronous ``reduce_scatter``."""
+        """With prefetching on: the reduce-scatter is asynchronous, at most one is in flight at any moment,
+        and it is still in flight when the backward reaches the next unit (the module docstring); its input
+        must stay alive until the collective has read it, and its result lands in ``shard.grad`` by the end of
+        backward (``wait_for_reductions``). Off: Task 4's synchronous ``reduce_scatter``."""
+        # Issue async, keep (work, flat_param, grad_shard, grad) in shared.pending_reduce_scatters (grad stays
+        # referenced until the collective has read it), then finish the older ones: the new one overlaps the
+        # next unit's backward and is finished when the next is issued or in wait_for_reductions.
         shared = unit.shared
         if not shared.prefetch:
             return super().reduce_scatter(unit, flat_param, grad)
@@ -136,7 +156,7 @@ class PrefetchHooks(BackwardHooks):
             _finish_reduce_scatter(shared.pending_reduce_scatters.pop(0))
 
     def wait_for_reductions(self, shared: SharedState) -> None:
-        """Finish every pending reduce-scatter (wait, then ``accumulate_shard_grad``), in issue order."""
+        """Finish every reduction still in flight: each lands in ``shard.grad``, in issue order."""
         for pending in shared.pending_reduce_scatters:
             _finish_reduce_scatter(pending)
         shared.pending_reduce_scatters.clear()

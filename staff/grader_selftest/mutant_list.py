@@ -362,8 +362,8 @@ MUTANTS: list[Mutant] = [
 
 # ---- Frozen units and activation checkpointing (issue 9; added by the core helper, ids c01..) ----------------
 MUTANTS += [
-    Mutant("c01", 4, "            if inputs:\n                outputs = RegisterPostBackward.apply(",
-           "            if False:\n                outputs = RegisterPostBackward.apply(",
+    Mutant("c01", 4, "            if inputs:\n                outputs = _RegisterPostBackward.apply(",
+           "            if False:\n                outputs = _RegisterPostBackward.apply(",
            "no post-backward trigger on the unit's inputs: every unit (frozen weights included) stays unsharded "
            "until the final callback"),
     Mutant("c02", 4, "        ctx.hooks.post_backward(ctx.unit)\n",
@@ -412,13 +412,13 @@ MUTANTS += [
            "keyword argument stays unsharded, its gradient unreduced, until the final callback", "",
            "test_generated_scripts_match_torch_fsdp2"),
     Mutant("m61", 4, "        if torch.is_grad_enabled():\n            inputs = [t for t in _flatten_tensors((args, kwargs)) "
-                     "if t.requires_grad]\n            if inputs:\n                outputs = RegisterPostBackward.apply("
+                     "if t.requires_grad]\n            if inputs:\n                outputs = _RegisterPostBackward.apply("
                      "self, unit, *inputs)\n                new = {id(t): o for t, o in zip(inputs, outputs)}\n"
                      "                args, kwargs = _replace_tensors(args, new), _replace_tensors(kwargs, new)\n"
                      "        return super().pre_forward(unit, args, kwargs)",
            "        args, kwargs = super().pre_forward(unit, args, kwargs)\n        if torch.is_grad_enabled():\n"
            "            inputs = [t for t in _flatten_tensors((args, kwargs)) if t.requires_grad]\n            if inputs:\n"
-           "                outputs = RegisterPostBackward.apply(self, unit, *inputs)\n"
+           "                outputs = _RegisterPostBackward.apply(self, unit, *inputs)\n"
            "                new = {id(t): o for t, o in zip(inputs, outputs)}\n"
            "                args, kwargs = _replace_tensors(args, new), _replace_tensors(kwargs, new)\n"
            "        return args, kwargs",
