@@ -16,7 +16,8 @@ looks at the model as a whole. The tests observe:
 - memory: a full state dict exists on rank 0 only, and the other ranks must not hold it either while it is
   made: their peak stays far below rank 0's (about one unit's gathered state at a time).
 
-Formats (``fqn`` = original parameter name relative to the module passed in):
+Formats (``fqn`` = original parameter name relative to the module passed in; every parameter tensor in the
+parameter's own dtype, the shard's, also under mixed precision):
 - model, full:      {fqn: full tensor, buffer name: tensor} on rank 0; {} on other ranks. Tied parameters
                     appear under each of their names, as in ``nn.Module.state_dict()``.
 - model, sharded:   {fqn: 1-D tensor, the elements of that parameter that lie in this rank's shard (may be

@@ -9,9 +9,11 @@ observe, for every unit and every ``loss.backward()``:
   FlatParameter gets no gradient (``shard.grad`` stays None); a second backward without zeroing adds to the
   first, as plain PyTorch does;
 - when ``loss.backward()`` returns: every reduction has landed in ``shard.grad``, no unit is unsharded, no full
-  gradient (``unsharded.grad``) is alive, and every asynchronous collective has been waited on;
-- during backward: at most one non-root unit is unsharded at any moment, the one whose backward runs (Task 6's
-  prefetching adds one); the root may stay unsharded until the backward ends;
+  gradient (``unsharded.grad``) is alive and no original parameter name carries a ``.grad`` (the memory is
+  measured), and every asynchronous collective has been waited on;
+- during backward: at most one non-root unit is unsharded at any moment, the one whose backward runs (with
+  nested units, also the units it is nested in; Task 6's prefetching adds one); the root may stay unsharded
+  until the backward ends;
 - a unit is resharded as soon as its own backward is done, frozen parameters included, and a unit whose forward
   inputs (positional or keyword) carry a gradient has issued its reduce-scatter by then: when the model's input
   requires grad, every reduce-scatter is issued before autograd computes that input's gradient;

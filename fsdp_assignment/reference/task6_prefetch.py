@@ -18,7 +18,8 @@ issued relative to every module's forward and backward:
   last unit of the forward: before its own backward computation, the root's backward running first);
 - reduce-scatters: all asynchronous, at most one in flight at any moment, each still in flight when the backward
   reaches the next unit, all landed in ``shard.grad`` when ``loss.backward()`` returns;
-- at most two non-root units unsharded at any moment (the one computing, the one prefetched), also during an
+- at most two non-root units unsharded at any moment (the one computing, the one prefetched; with nested units,
+  plus the units the one computing is nested in), also during an
   activation-checkpointing recomputation, after an order change and with a unit run twice; each unit all-gathered
   exactly once per forward, and once per backward if it was resharded after forward; an all-gather in flight is
   waited on before its buffer is used or freed; a unit prefetched that then does not run is resharded, its gather

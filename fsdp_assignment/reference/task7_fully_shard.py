@@ -271,8 +271,10 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
 
 
 def gather_full_params(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Original parameter names (relative to ``module``) -> full tensors, on every rank (a collective over
-    each unit's ``group``)."""
+    """Original parameter names (relative to ``module``; a tied parameter under each of its names) -> full
+    tensors in the parameters' own dtype (the shards', also under mixed precision), on every rank. A collective
+    over each unit's ``group`` that communicates only all-gathers, each rank's shard of every FlatParameter
+    once."""
     out = {}
     groups = {id(fp): unit.group for unit in fsdp_units(module) for fp in unit.flat_params}
     for prefix, flat_param in named_flat_params(module):
