@@ -74,6 +74,7 @@ import pickle
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -446,7 +447,7 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
             r.conn.close()
             if r.ack is not None:
                 r.ack.close()
-        shutil.rmtree(run_dir, ignore_errors=True)  # symlink-safe: it deletes links, never follows them
+        _remove_tree(run_dir)
     if failure is not None:
         raise failure
     if witness is not None and not witness.deferred:
@@ -467,6 +468,20 @@ def _body_reference(body) -> dict:
         raise TypeError(f"run_ranks: {module}.{qualname} does not name the body {body!r}")
     filename = getattr(getattr(sys.modules[module], "__spec__", None), "origin", None)
     return dict(module=module, qualname=qualname, filename=filename)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a run's folder, however deep the body made it, never raising: ``rm -rf`` walks it without recursion
+    and never follows a link. (shutil.rmtree recurses in Python: a 1,500-deep tree in a rank's TMPDIR raised
+    RecursionError, which ignore_errors does not catch, out of run_ranks, and the folder stayed; issue 32.)"""
+    try:
+        subprocess.run(["rm", "-rf", "--", path], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=120, check=False)
+    except (OSError, subprocess.SubprocessError):  # no rm (or it hung): what Python can remove
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        except RecursionError:
+            pass
 
 
 def _collect(ranks: list[_Rank], *, deadline: float, timeout: float,

@@ -428,6 +428,35 @@ def test_the_body_gets_a_temporary_directory_of_its_own_that_goes_with_the_run()
         assert "fsdp-ranks-" in path and not os.path.exists(path), path
 
 
+def _deep_tree_in_its_tmp(rank, world_size, outside):
+    """1,500 levels of 12-character names (the path is longer than PATH_MAX) in the body's TMPDIR, with links out."""
+    import tempfile
+    top = tempfile.gettempdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for level in range(1500):
+        name = f"level{level:07d}"
+        os.mkdir(name, dir_fd=fd)
+        if level == 700:
+            os.symlink(outside, "link-out", dir_fd=fd)
+        child = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    os.close(fd)
+    return top
+
+
+def test_a_tree_too_deep_for_recursion_goes_with_the_run(tmp_path):
+    """Issue 32: shutil.rmtree recursed on a 1,500-deep tree in a rank's TMPDIR, raised RecursionError out of
+    run_ranks, and the folder stayed. The run's folder goes, whatever its depth, and no link out is followed."""
+    outside = tmp_path / "not-the-run's"
+    outside.mkdir()
+    (outside / "kept").write_text("x")
+    [top] = run_ranks(_deep_tree_in_its_tmp, 1, str(outside))
+    run_dir = top.split(os.sep + "rank" + os.sep)[0]
+    assert "fsdp-ranks-" in run_dir and not os.path.exists(run_dir), run_dir
+    assert (outside / "kept").read_text() == "x"
+
+
 def _replaces_its_output(rank, world_size, how, target):
     print("before the swap")
     out = os.readlink("/proc/self/fd/1")

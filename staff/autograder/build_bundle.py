@@ -234,7 +234,7 @@ def build(out: Path, root: Path = ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "dist" / "autograder.zip")
     parser.add_argument("--stage", type=Path, default=None, help="only lay out the staff tree in this directory")
     args = parser.parse_args(argv)

@@ -288,3 +288,20 @@ def remove_tree(parent_fd: int, name: str, budget: list[int]) -> None:
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=parent_fd)
+
+
+def remove_folder(path: str | os.PathLike) -> None:
+    """Remove the folder ``path`` and all it holds, however deep, with ``remove_tree``'s loop (no recursion, no
+    link followed); never raises: what cannot be removed is left. For the grader's own folders that ranks wrote
+    into (grade.py: the run's TMPDIR with every run's fsdp-ranks-* folder; a --zip grading tree)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        remove_tree(fd, name, [MAX_ENTRIES_REMOVED])
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -2,6 +2,7 @@
 
     python -m staff.autograder.grade --results results.json           # grade this tree's fsdp_assignment/task*.py
     python -m staff.autograder.grade --autograder-root /autograder    # Gradescope (run_autograder calls this)
+    python -m staff.autograder.grade --zip submission.zip --results results.json   # one student's zip (TAs)
 
 Run it from the root of the tree it belongs to (it is a module of the package ``staff.autograder``; its parts
 are imported as package modules, so ``python -m staff.autograder.grade`` does not work).
@@ -16,6 +17,11 @@ It runs pytest in a child process with the grading plugin (``staff/autograder/gr
 explicitly and every other plugin off, so nothing a submission brings (a conftest, a plugin, a pyproject) is
 loaded, and writes results.json as the run goes. When the run ends, however it ends, results.json exists and
 holds every graded test.
+
+``--zip Z`` grades one student's zip (as ``make_submission.sh`` makes it) the way Gradescope would: it lays out a
+fresh ``R`` in a temporary folder (``R/source``: this tree's bundle, ``build_bundle.stage``; ``R/submission``: the
+zip), grades it in Gradescope mode, writes results.json (``--results``, default ./results.json) and removes ``R``
+(``--keep`` keeps it). Run it as root to have rank bodies run as the rank user (``sudo``; else as you).
 
 In Gradescope mode (``--autograder-root R``) it first builds a clean grading tree in ``R/grading`` from the
 staff tree ``R/source`` and copies in **only** the seven task files from ``R/submission`` (at their repository
@@ -424,6 +430,13 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
     budget = budget if budget is not None else max(30.0, timeout - 60.0)
     cmd = pytest_command(tree, results, budget, extra, notes)
     env = grading_env(tree, user, memory_mb, timeout_cap)
+    # The run's own TMPDIR: every run_ranks folder (fsdp-ranks-*, with each rank's TMPDIR in it) and pytest's
+    # temporary folders are made in it, so whatever a rank leaves there (a run killed before its own clean-up, a
+    # tree too deep for a recursive remover) is removed below with the run, not left in the machine's /tmp.
+    import tempfile
+    run_tmp = tempfile.mkdtemp(prefix="fsdp-grading-")
+    os.chmod(run_tmp, 0o711)  # the rank user passes through to its own folders, and lists nothing
+    env["TMPDIR"] = run_tmp
     start = time.monotonic()
     code, tail = run_pytest(cmd, tree, env, timeout)
     if user:  # anything of the rank user's still alive (escaped its session?) or left in /tmp goes now
@@ -439,9 +452,52 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
     else:
         say("grade: ranks run as the grading user, so a process that left its session or a file outside the "
             "rank's own folder cannot be told from the grader's: neither is cleaned up after the run")
+    from .cleanup import remove_folder
+    remove_folder(run_tmp)  # after the rank user's processes are gone: nothing adds to it any more
     ensure_results(results, tail, code)
     say(f"grade: pytest exit code {code}, {time.monotonic() - start:.1f} s; results in {results}")
     return 0
+
+
+def gradescope_tree(root: Path, results: Path) -> tuple[Path | None, list[str]]:
+    """Gradescope mode: the clean grading tree ``root/grading`` from ``root/source`` with the submission's task
+    files in it, locked down; the notes for the student. (None, []) when the submission could not be read (then
+    ``results`` already says so)."""
+    source, tree = root / "source", root / "grading"
+    # The bundle as unzipped (hidden tests, staff files) is root's alone for the whole run.
+    os.chmod(source, 0o700)
+    stage_tree(source, tree)
+    try:
+        notes = take_submission(root / "submission", tree)
+    except Exception as err:  # never expected (take_submission refuses what it cannot read): say so anyway
+        say(f"grade: the submission could not be read: {type(err).__name__}: {err}")
+        write_failure(results, sanitize(f"Your submission could not be read ({type(err).__name__}: {err}); "
+                                        f"please tell the course staff."))
+        return None, []
+    lock_down(tree)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    if results.parent.resolve() == (root / "results").resolve():
+        # results.json holds hidden tests' output: root's while grading runs. Only Gradescope's own folder:
+        # a --results elsewhere (/tmp/x.json) must never change the mode of a shared directory like /tmp.
+        os.chmod(results.parent, 0o700)
+    for note in notes:
+        say(f"grade: {note}")
+    return tree, notes
+
+
+def zip_layout(zip_path: Path) -> Path:
+    """A fresh Gradescope layout for one student's zip (``--zip``): ``R/source`` is this tree's bundle (the stubs,
+    the public and hidden tests, the grader; never the reference), ``R/submission`` holds the zip as uploaded.
+    The task files are then taken from it as from any upload (find_in_zips: read in memory at their repository
+    paths, bounded, never extracted), so the TA grades exactly what Gradescope would."""
+    import tempfile
+    from .build_bundle import stage
+    root = Path(tempfile.mkdtemp(prefix="fsdp-grade-"))
+    os.chmod(root, 0o755)  # the rank user passes through it to the grading tree (lock_down opens the rest)
+    stage(root / "source", TREE)
+    (root / "submission").mkdir()
+    shutil.copyfile(zip_path, root / "submission" / zip_path.name)
+    return root
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,47 +506,56 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=None, help="results.json to write")
-    parser.add_argument("--autograder-root", type=Path, default=None,
-                        help="Gradescope mode: R/source, R/submission, R/results (see the module docstring)")
-    parser.add_argument("--budget", type=float, default=None)
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
-    parser.add_argument("--rank-user", default=DEFAULT_RANK_USER)
-    parser.add_argument("--rank-memory-mb", type=int, default=DEFAULT_RANK_MEMORY_MB)
-    parser.add_argument("--timeout-cap", type=float, default=None)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=None,
+                        help="results.json to write (default: R/results/results.json with --autograder-root, "
+                             "./results.json with --zip, else <tree>/results.json)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--autograder-root", type=Path, default=None,
+                       help="Gradescope mode: R/source, R/submission, R/results (see above)")
+    where.add_argument("--zip", type=Path, default=None,
+                       help="grade one student's zip (make_submission.sh's) in a fresh tree made from this one")
+    parser.add_argument("--keep", action="store_true", help="with --zip: keep the fresh tree (its path is printed)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds: tests not started by then are not run")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds: the whole run is killed")
+    parser.add_argument("--rank-user", default=DEFAULT_RANK_USER,
+                        help="run rank bodies as this user when grading as root ('none': never)")
+    parser.add_argument("--rank-memory-mb", type=int, default=DEFAULT_RANK_MEMORY_MB,
+                        help="each rank's memory limit above its start-up usage")
+    parser.add_argument("--timeout-cap", type=float, default=None, help="cap every harness timeout (staff tests)")
     args = parser.parse_args(argv)
     notes: list[str] = []
     started = time.monotonic()  # reading the submission counts against --timeout too
-    if args.autograder_root is not None:
+    layout = None
+    if args.zip is not None:
+        if not args.zip.is_file():
+            parser.error(f"--zip {args.zip}: no such file")
+        layout = zip_layout(args.zip)
+        say(f"grade: grading {args.zip} in {layout}")
+        root = layout
+        results = (args.results or Path("results.json")).resolve()
+    elif args.autograder_root is not None:
         root = args.autograder_root.resolve()
-        source, tree = root / "source", root / "grading"
-        # The bundle as unzipped (hidden tests, staff files) is root's alone for the whole run.
-        os.chmod(source, 0o700)
-        stage_tree(source, tree)
         results = args.results or root / "results" / "results.json"
-        try:
-            notes = take_submission(root / "submission", tree)
-        except Exception as err:  # never expected (take_submission refuses what it cannot read): say so anyway
-            say(f"grade: the submission could not be read: {type(err).__name__}: {err}")
-            write_failure(results, sanitize(f"Your submission could not be read ({type(err).__name__}: {err}); "
-                                            f"please tell the course staff."))
-            return 0
-        lock_down(tree)
-        results.parent.mkdir(parents=True, exist_ok=True)
-        if results.parent.resolve() == (root / "results").resolve():
-            # results.json holds hidden tests' output: root's while grading runs. Only Gradescope's own folder:
-            # a --results elsewhere (/tmp/x.json) must never change the mode of a shared directory like /tmp.
-            os.chmod(results.parent, 0o700)
-        for note in notes:
-            say(f"grade: {note}")
     else:
+        root = None
         tree = TREE
         results = args.results or tree / "results.json"
-    timeout = max(1.0, args.timeout - (time.monotonic() - started))
-    return grade_tree(tree, results.resolve(), budget=args.budget, timeout=timeout,
-                      rank_user=args.rank_user, memory_mb=args.rank_memory_mb, timeout_cap=args.timeout_cap,
-                      extra=extra, notes=notes)
+    try:
+        if root is not None:
+            tree, notes = gradescope_tree(root, results)
+            if tree is None:
+                return 0
+        timeout = max(1.0, args.timeout - (time.monotonic() - started))
+        return grade_tree(tree, results.resolve(), budget=args.budget, timeout=timeout,
+                          rank_user=args.rank_user, memory_mb=args.rank_memory_mb, timeout_cap=args.timeout_cap,
+                          extra=extra, notes=notes)
+    finally:
+        if layout is not None and not args.keep:
+            from .cleanup import remove_folder
+            remove_folder(layout)
+        elif layout is not None:
+            say(f"grade: the grading tree is kept in {layout / 'grading'}")
 
 
 if __name__ == "__main__":

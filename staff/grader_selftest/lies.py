@@ -138,7 +138,7 @@ def failed_tests(data: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", default=None, help="lie ids (default: all)")
     p.add_argument("--write", action="store_true",
                    help=f"record the scores and failed tests in {RECORD.relative_to(ROOT)} (tests/staff/test_lies.py "

@@ -247,7 +247,7 @@ def summary(outcomes: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--file", nargs="*", default=None, help="task files (default: all seven)")
     parser.add_argument("--sample", type=int, default=None, help="grade a random sample of this many")
     parser.add_argument("--seed", type=int, default=None, help="the sample's seed (default: random, printed)")

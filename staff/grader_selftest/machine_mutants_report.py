@@ -6,8 +6,8 @@ tests/staff/test_machine_mutants.py) and MACHINE_MUTANTS.md (for people).
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 
@@ -44,9 +44,11 @@ def render(runs: list[tuple[str, dict]]) -> str:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="TITLE=PATH", help="a title and machine_mutants.py's --json output")
     here = Path(__file__).resolve().parent
     runs = []
-    for arg in sys.argv[1:]:
+    for arg in parser.parse_args().runs:
         title, _, path = arg.partition("=")
         runs.append((title, json.loads(Path(path).read_text())))
     (here / "machine_mutants.json").write_text(json.dumps(

@@ -55,7 +55,7 @@ def record_run(tree: Path, workdir: Path, name: str, *, trace: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="timed runs (the minimum per test is kept)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)

@@ -213,7 +213,7 @@ def coverage_table(outcomes: list[Outcome]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", default=None, help="mutant ids")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--list", action="store_true")

@@ -1,5 +1,10 @@
 """The broken-submission zoo: submissions made from the reference that misbehave on purpose, and what the grader
-must do with each (tests/staff/test_zoo.py runs them in CI; ``python -m staff.grader_selftest.zoo`` runs them here).
+must do with each (tests/staff/test_zoo.py runs them in CI).
+
+    python -m staff.grader_selftest.zoo                        # every case, ranks as this user
+    python -m staff.grader_selftest.zoo --only hang raise --show  # some cases, with each broken test's output
+    sudo python -m staff.grader_selftest.zoo --rank-user fsdp_student   # also the cases that need a rank user
+    python -m staff.grader_selftest.zoo --hangs                # the hanging submissions graded in full (slow)
 
 For every case: the tests it breaks score 0 with an output that says what happened, the other selected tests
 are graded normally, the run ends by itself (a hang is cut at the case's timeout cap, not at grade.py's global
@@ -402,7 +407,7 @@ def run_case(case: Case, workdir: Path, *, rank_user: str = "none", root: Path =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--rank-user", default="none")
     parser.add_argument("--show", action="store_true", help="print each broken test's output")

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 from staff.autograder import grade
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.staff
 
@@ -159,3 +160,65 @@ def test_names_with_escapes_or_bidi_controls_cannot_forge_the_log(tmp_path, caps
     raw = "PASS\u202e\x1b[32m\nnext\n".encode()
     out = "".join(stream.feed(raw[i:i + 1]) for i in range(len(raw))) + stream.close()
     assert out == "PASS\\u202e\nnext\n", repr(out)
+
+
+def _deep_tree(top: Path, outside: Path) -> None:
+    """1,500 levels of 12-character names under ``top`` (longer than PATH_MAX), with a link out at level 700."""
+    top.mkdir(parents=True)
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for level in range(1500):
+        os.mkdir(f"level{level:07d}", dir_fd=fd)
+        if level == 700:
+            os.symlink(outside, "link-out", dir_fd=fd)
+        child = os.open(f"level{level:07d}", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    os.close(fd)
+
+
+def test_the_runs_tmpdir_goes_with_whatever_a_rank_left_in_it(tmp_path, monkeypatch):
+    """Issue 32: every run_ranks folder (fsdp-ranks-*, each rank's TMPDIR inside) is made in the grading run's own
+    TMPDIR, which grade.py removes after the run without recursion: a 1,500-deep tree left there (by a run killed
+    before its own clean-up) goes, and no link out of it is followed."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "kept").write_text("x")
+    seen = {}
+
+    def fake_run(cmd, tree, env, timeout):
+        seen["tmp"] = Path(env["TMPDIR"])
+        _deep_tree(seen["tmp"] / "fsdp-ranks-left" / "rank" / "tmp", outside)
+        return 0, ""
+
+    monkeypatch.setattr(grade, "run_pytest", fake_run)
+    grade.grade_tree(tmp_path, tmp_path / "results.json", budget=None, timeout=60, rank_user="none", memory_mb=256,
+                     timeout_cap=None, extra=[], notes=[])
+    assert seen["tmp"].name.startswith("fsdp-grading-") and not seen["tmp"].exists(), seen
+    assert (outside / "kept").read_text() == "x"
+
+
+def test_grading_a_zip_grades_its_task_files_in_a_fresh_tree_and_removes_it(tmp_path, monkeypatch):
+    """``--zip``: make_submission.sh's zip is graded in a fresh Gradescope layout made from the bundle (the zip's
+    task files at their paths, the stubs for the rest, no reference), results.json where --results says, and the
+    layout is removed afterwards."""
+    zip_path = tmp_path / "submission.zip"
+    with zipfile.ZipFile(zip_path, "w") as zf:
+        zf.writestr("fsdp_assignment/task3_forward.py", "SUBMITTED = 3\n")
+        zf.writestr("WRITEUP.md", "# writeup\n")
+    seen = {}
+
+    def fake_grade_tree(tree, results, **kwargs):
+        seen["tree"], seen["results"], seen["notes"] = tree, results, kwargs["notes"]
+        seen["task3"] = (tree / "fsdp_assignment" / "task3_forward.py").read_text()
+        seen["task1"] = (tree / "fsdp_assignment" / "task1_meta_init.py").read_text()
+        seen["reference"] = (tree / "fsdp_assignment" / "reference").exists()
+        return 0
+
+    monkeypatch.setattr(grade, "grade_tree", fake_grade_tree)
+    monkeypatch.chdir(tmp_path)
+    assert grade.main(["--zip", str(zip_path), "--rank-user", "none"]) == 0
+    assert seen["task3"] == "SUBMITTED = 3\n"
+    assert seen["task1"] == (ROOT / "fsdp_assignment" / "task1_meta_init.py").read_text(), "the stub, not graded"
+    assert not seen["reference"]
+    assert seen["results"] == tmp_path / "results.json"
+    assert not seen["tree"].parent.exists(), "the fresh layout was left behind"

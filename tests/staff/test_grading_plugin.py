@@ -246,6 +246,22 @@ def test_check_breaks_on_the_results():
     results = [{"events": [1, 2]}, {"events": [1]}]  # rank 1 sent one event too few
     for rank, got in enumerate(results):
         assert got["events"][1] == 2, f"rank {rank}: wrong second event"
+
+
+@pytest.mark.task1
+def test_harness_breaks_around_the_run():
+    from tests.harness import run_ranks
+    for rank, got in enumerate(run_ranks(3)):
+        assert got
+'''
+
+# run_ranks raising in its own clean-up after its loop over the ranks (issue 32: a RecursionError from removing a
+# leftover tree was reported as "the test's check of rank 2's results").
+FAKE_HARNESS = '''
+def run_ranks(world_size):
+    for rank in range(world_size):
+        pass
+    raise RecursionError("maximum recursion depth exceeded while removing the run's folder")
 '''
 
 ORDERED_HIDDEN = '''
@@ -267,12 +283,14 @@ def test_hidden_two():
 
 
 def test_every_public_test_runs_before_any_hidden_one_and_broken_checks_name_the_rank(tree):
-    """Hidden tests last (whatever a hidden test's ranks might leave behind, no visible test runs after it); and a
-    test whose own check breaks on a rank's results (IndexError, not an assertion) says whose and where."""
+    """Hidden tests last (whatever a hidden test's ranks might leave behind, no visible test runs after it); a
+    test whose own check breaks on a rank's results (IndexError, not an assertion) says whose and where; and an
+    error the harness raises around the run names no rank."""
     (tree / "tests" / "__init__.py").write_text("")
     (tree / "tests" / "public" / "__init__.py").write_text("")
     (tree / "tests" / "public" / "test_public.py").write_text(ORDERED_PUBLIC)
     (tree / "tests" / "hidden" / "test_hidden.py").write_text(ORDERED_HIDDEN)
+    (tree / "tests" / "harness.py").write_text(FAKE_HARNESS)
     log = tree / "order.log"
     data = _run(tree, ORDER_LOG=str(log))
     order = log.read_text().split()
@@ -280,3 +298,7 @@ def test_every_public_test_runs_before_any_hidden_one_and_broken_checks_name_the
     out = _by_name(data)["test_check_breaks_on_the_results"]["output"]
     assert "The test's check of rank 1's results raised IndexError: list index out of range" in out, out
     assert 'at: assert got["events"][1] == 2' in out, out
+    out = _by_name(data)["test_harness_breaks_around_the_run"]["output"]
+    assert "The test harness itself raised RecursionError" in out and "not a check of this test's rank output" \
+        in out, out
+    assert "rank 2" not in out and "check of rank" not in out, out
