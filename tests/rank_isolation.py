@@ -164,21 +164,34 @@ def apply_limits(memory_limit_bytes: int | None, limits: dict) -> None:
 # /dev/shm files against a 2 GiB limit): memfd_create and memfd_secret; and new namespaces (unshare, setns, clone
 # with a CLONE_NEW* flag), in which a rank could mount a private tmpfs or hide its processes. The grader counts
 # shared memory as a whole anyway (staff/autograder/student_limits.py); refusing these makes it plain.
+# Ranks share nothing but the process group (issue 32): no reading or writing another process's memory (ptrace,
+# process_vm_readv/writev; /proc/<pid>/mem needs the target dumpable, and a rank is not after it drops to the rank
+# user, so prctl(PR_SET_DUMPABLE) and Yama's PR_SET_PTRACER, which would open it, are refused too), no kernel
+# keyring (add_key, request_key, keyctl: a key outlives the run, and no cleanup step can see it) and no io_uring
+# (its reads and writes are no write() calls, so the witness's byte count would miss them).
 # Per architecture: (AUDIT_ARCH, {name: number}); clone3's flags sit in memory a filter cannot read, so it gets
 # ENOSYS and the C library falls back to clone, whose flags it can.
 _SYSCALLS = {
     "x86_64": (0xC000003E, dict(clone=56, unshare=272, setns=308, memfd_create=319, clone3=435, memfd_secret=447,
-                                seccomp=317)),
+                                seccomp=317, prctl=157, ptrace=101, process_vm_readv=310, process_vm_writev=311,
+                                add_key=248, request_key=249, keyctl=250, io_uring_setup=425, io_uring_enter=426,
+                                io_uring_register=427)),
     "aarch64": (0xC00000B7, dict(clone=220, unshare=97, setns=268, memfd_create=279, clone3=435, memfd_secret=447,
-                                 seccomp=277)),
+                                 seccomp=277, prctl=167, ptrace=117, process_vm_readv=270, process_vm_writev=271,
+                                 add_key=217, request_key=218, keyctl=219, io_uring_setup=425, io_uring_enter=426,
+                                 io_uring_register=427)),
 }
+_REFUSED = ("unshare", "setns", "memfd_create", "memfd_secret", "ptrace", "process_vm_readv", "process_vm_writev",
+            "add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter", "io_uring_register")
 _CLONE_NEW_ANY = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+_PR_SET_DUMPABLE, _PR_SET_PTRACER = 4, 0x59616D61  # prctl options refused (its others, thread names etc., are not)
 
 
 def refuse_hidden_memory() -> str:
     """Install a seccomp filter on every thread of this process (and so on everything it starts): the calls
-    above fail with EPERM (clone3 with ENOSYS), everything else is allowed. Returns "" when installed, else why
-    not (another architecture, a kernel or container without seccomp): then the memory count alone applies."""
+    above fail with EPERM (clone3 with ENOSYS; prctl only for the two options above), everything else is
+    allowed. Returns "" when installed, else why not (another architecture, a kernel or container without
+    seccomp): then the memory count alone applies."""
     import ctypes
     import platform
     import struct
@@ -195,8 +208,11 @@ def refuse_hidden_memory() -> str:
         (JEQ, 0, 1, nr["clone3"]), (RET, 0, 0, ENOSYS),
         (JEQ, 0, 3, nr["clone"]), (LD_W_ABS, 0, 0, 16), (JSET, 0, 1, _CLONE_NEW_ANY), (RET, 0, 0, EPERM),
         (LD_W_ABS, 0, 0, 0),
+        # prctl: its first argument (the low 32 bits of args[0], at offset 16) decides
+        (JEQ, 0, 5, nr["prctl"]), (LD_W_ABS, 0, 0, 16), (JEQ, 2, 0, _PR_SET_DUMPABLE), (JEQ, 1, 0, _PR_SET_PTRACER),
+        (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM),
     ]
-    refused = [nr[n] for n in ("unshare", "setns", "memfd_create", "memfd_secret")]
+    refused = [nr[n] for n in _REFUSED]
     for i, number in enumerate(refused):  # each: jump to the EPERM at the end, else fall through to the next
         program.append((JEQ, len(refused) - i, 0, number))
     program += [(RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]

@@ -367,6 +367,41 @@ def _hides_things(rank, world_size):
     out["mqueue"] = "created" if fd >= 0 else errno.errorcode[ctypes.get_errno()]
     if fd >= 0:
         rt.mq_unlink(f"/fsdp-red-{os.getpid()}".encode())
+    out.update(_reaches_its_sibling(libc))
+    return out
+
+
+def _reaches_its_sibling(libc) -> dict:
+    """Issue 32's red team: a rank makes itself readable (PR_SET_DUMPABLE, Yama's PR_SET_PTRACER), then reads its
+    sibling's memory (/proc/<pid>/mem, process_vm_readv, ptrace), adds a key to its user's keyring, and sets up
+    an io_uring (writes that are no write() calls). Each: what the call returned (an errno name, or "done")."""
+    import ctypes
+    import errno
+    import torch.distributed as dist
+
+    def call(*args) -> str:
+        ok = libc.syscall(*[ctypes.c_long(a) if isinstance(a, int) else a for a in args]) >= 0
+        return "done" if ok else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+    out = {"dumpable": call(157, 4, 1, 0, 0, 0), "ptracer": call(157, 0x59616D61, -1, 0, 0, 0)}  # prctl
+    pids = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    sibling = pids[(dist.get_rank() + 1) % len(pids)]
+    dist.barrier()  # both made their attempt to be readable before either reads
+    try:
+        with open(f"/proc/{sibling}/mem", "rb") as f:
+            f.read(1)
+        out["proc_mem"] = "done"
+    except OSError as err:
+        out["proc_mem"] = errno.errorcode.get(err.errno, str(err.errno))
+    buf = ctypes.create_string_buffer(8)
+    iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)
+    out["process_vm_readv"] = call(310, sibling, iov, 1, iov, 1, 0)
+    out["ptrace"] = call(101, 0x4206, sibling, 0, 0)  # PTRACE_SEIZE (attaches without stopping it)
+    out["add_key"] = call(248, b"user", b"fsdp-red", b"x", 1, ctypes.c_long(-4))  # KEY_SPEC_USER_KEYRING
+    out["keyctl"] = call(250, 0, ctypes.c_long(-4), 0)  # KEYCTL_GET_KEYRING_ID
+    params = ctypes.create_string_buffer(120)
+    out["io_uring"] = call(425, 4, params)
+    dist.barrier()  # neither leaves (and is killed) while the other still reads
     return out
 
 
@@ -374,9 +409,10 @@ def _hides_things(rank, world_size):
 def test_a_graded_rank_cannot_hide_memory_or_outlive_its_run(monkeypatch):
     """Issue 25: a daemon that left the rank's session is dead once run_ranks returns (so it cannot signal the
     FSDP2 run that a test makes next, nor write its store); memfd_create and unshare are refused (seccomp), and so
-    is a POSIX message queue (RLIMIT_MSGQUEUE 0), in a rank that runs as the rank user."""
+    is a POSIX message queue (RLIMIT_MSGQUEUE 0), in a rank that runs as the rank user. Issue 32: neither of two
+    ranks can read the other's memory, add a key to a keyring or set up an io_uring."""
     monkeypatch.setenv("FSDP_RANK_USER", "nobody")
-    got = run_ranks(_hides_things, 1)[0]
+    got = run_ranks(_hides_things, 2)[0]
 
     def alive(pid: int) -> bool:
         try:
@@ -394,6 +430,12 @@ def test_a_graded_rank_cannot_hide_memory_or_outlive_its_run(monkeypatch):
     import platform
     if platform.machine() in ("x86_64", "aarch64"):
         assert got["memfd"] == "EPERM" and got["unshare"] == "EPERM", got
+    if platform.machine() == "x86_64":  # the red team calls system calls by their x86_64 numbers
+        # Issue 32: ranks share nothing but the process group (the seccomp filter, and a rank user's process is
+        # not dumpable: its sibling cannot open its /proc/<pid>/mem).
+        refused = ("dumpable", "ptracer", "process_vm_readv", "ptrace", "add_key", "keyctl", "io_uring")
+        assert {k: got[k] for k in refused} == dict.fromkeys(refused, "EPERM"), got
+        assert got["proc_mem"] in ("EACCES", "EPERM"), got
 
 
 _DEEP_TREE = """
