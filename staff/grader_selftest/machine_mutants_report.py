@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -43,14 +44,19 @@ def render(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="TITLE=PATH", help="a title and machine_mutants.py's --json output")
     here = Path(__file__).resolve().parent
     runs = []
-    for arg in parser.parse_args().runs:
+    for arg in parser.parse_args(argv).runs:
         title, _, path = arg.partition("=")
         runs.append((title, json.loads(Path(path).read_text())))
     (here / "machine_mutants.json").write_text(json.dumps(
         {"runs": [{"title": t, **d} for t, d in runs]}, indent=1) + "\n")
     (here / "MACHINE_MUTANTS.md").write_text(render(runs) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

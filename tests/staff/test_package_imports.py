@@ -7,10 +7,17 @@ who uses whom, and a module could be loaded twice under two names. Static (``ast
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (ROOT / "staff" / "autograder", ROOT / "staff" / "grader_selftest")
+# The packages' commands (python -m MODULE from the repository root): --help shows the docstring's usage lines.
+COMMANDS = ("staff.autograder.grade", "staff.autograder.build_bundle", "staff.grader_selftest.zoo",
+            "staff.grader_selftest.mutations", "staff.grader_selftest.lies", "staff.grader_selftest.measure_times",
+            "staff.grader_selftest.machine_mutants", "staff.grader_selftest.machine_mutants_report")
 
 
 def _is_sys_path(node: ast.AST) -> bool:
@@ -73,3 +80,17 @@ def test_no_module_of_the_grader_edits_sys_path_or_imports_a_sibling_top_level()
                 found.append(f"{path.relative_to(ROOT)}:{line}: {what}")
     assert not found, ("import the grader's modules as package modules (from .x import ..., from staff.autograder "
                        "import x), never through sys.path:\n  " + "\n  ".join(found))
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_each_command_shows_its_usage_with_help(name, capsys):
+    """Issue 31: ``--help`` printed the docstring's first line only; a TA needs the command lines."""
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    usage = [line.strip() for line in module.__doc__.splitlines() if line.strip().startswith(f"python -m {name}")]
+    assert usage, f"{name}'s docstring has no 'python -m {name} ...' usage line"
+    missing = [line for line in usage if line not in out]
+    assert not missing, f"python -m {name} --help does not show its usage lines: {missing}"
