@@ -9,9 +9,9 @@ A FlatParameter turns a unit's parameters into one 1-D buffer so that one collec
 shard of the same size; the padding is zero and stays zero. While sharded, only the shard exists: the
 unsharded buffer's storage has size 0 (``unsharded.untyped_storage().size() == 0``).
 
-The problem to solve: the module's parameters are views of the unsharded buffer, and autograd may keep those
-views (saved for backward) after the buffer is freed. Freeing must return the memory although they are alive,
-and the same view objects must see the data again once the buffer is re-allocated and refilled.
+The problem to solve: the module's parameters are views of the unsharded buffer, which autograd may keep
+(saved for backward) after the buffer is freed. Freeing must return the memory all the same, and those view
+objects must see the data again once the buffer is re-allocated and refilled.
 """
 # This file is generated from the staff reference by staff/make_stubs.py: the signatures and
 # docstrings are the specification. Replace each `raise NotImplementedError` with your code; you may
@@ -37,17 +37,13 @@ class FlatParameter:
         shard_offset:  ``rank * shard_numel``, where this rank's shard starts in the flat buffer
         shard:         ``nn.Parameter`` of shape ``[shard_numel]``: this rank's shard (what the optimizer
                        sees), with storage of its own
-        unsharded:     1-D tensor of ``padded_numel`` elements whose storage has size 0 while sharded; one
-                       tensor object for the FlatParameter's whole life. A *leaf* tensor whose
-                       ``requires_grad`` is the parameters', so that autograd accumulates the gradients of
-                       all its views into ``unsharded.grad``: one padded flat gradient, which Task 4
-                       reduce-scatters. (So a trainable parameter unused in forward gets zeros there when
-                       another parameter of this FlatParameter got a gradient, where plain PyTorch leaves its
-                       ``.grad`` at None; Task 4's module docstring.)
-        unsynced_grad: None here. Task 4 (``BackwardHooks.reduce_grad``) keeps in it the full flat gradient
-                       summed over backward passes run without gradient sync (Task 7's
-                       ``set_requires_gradient_sync(False)``), in ``reduce_dtype``, until a synced backward
-                       reduces it.
+        unsharded:     1-D tensor of ``padded_numel`` elements, storage size 0 while sharded; one tensor
+                       object for the FlatParameter's whole life. A *leaf* whose ``requires_grad`` is the
+                       parameters': the gradients of all its views accumulate in ``unsharded.grad``, one padded
+                       flat gradient (Task 4 reduce-scatters it; a trainable parameter unused in forward gets
+                       zeros there, not None)
+        unsynced_grad: None here; Task 4 keeps in it the full flat gradient (in ``reduce_dtype``) summed over
+                       backward passes without gradient sync (Task 7), until a synced backward reduces it
         module, rank, world_size, dtype, device, requires_grad: as given, or the parameters' (all agree)
 
     The tests call the constructor and the methods below (except ``copy_into_shard``, a suggested helper).
@@ -68,7 +64,7 @@ class FlatParameter:
           does not yield them); ``use_unsharded_views()`` puts views back as plain tensor attributes;
         - the FlatParameter starts sharded: ``unsharded``'s storage has size 0.
 
-        Works on the ``meta`` device too (then the shard is on ``meta`` as well; Task 1 materializes it).
+        On ``meta`` parameters the shard is on ``meta`` too (Task 1 materializes it).
         ``unsharded_dtype`` (mixed precision) is the dtype of ``unsharded``; by default the parameters'.
         Memory: never allocates a full flat buffer; at most the shard and the parameters already there.
         """

@@ -3,17 +3,16 @@
 A unit's forward runs with its full parameters, and the unit gives their memory back afterwards. The tests
 observe, for every unit and every forward:
 
-- when the unit's module computes, the unit is UNSHARDED: ``unsharded`` holds every rank's shard in rank
-  order, in the unit's ``param_dtype`` (the parameters' dtype when None), and the original parameter names
-  are views of it; the output equals single-process PyTorch's (relative error at most 1e-6 in fp32), in a
-  second forward too;
+- when the unit's module computes, ``unsharded`` holds every rank's shard in rank order, in the unit's
+  ``param_dtype`` (the parameters' dtype when None), and the original parameter names are views of it; the
+  output equals single-process PyTorch's (relative error at most 1e-6 in fp32), in a second forward too;
 - a forward all-gathers each of the unit's FlatParameters once (``shard_numel`` elements per rank, in the
   unsharded dtype) and communicates nothing else;
 - after the unit's forward with ``reshard_after_forward`` (the root too) its unsharded storage has size 0
   and the memory is really free; without it the unit stays unsharded.
 
 Problems to solve: running code around a module's forward without touching the model's code; refilling a
-buffer whose views autograd saved without autograd rejecting them in backward; keeping the gradient path
+buffer whose views autograd saved, without autograd rejecting them in backward; keeping the gradient path
 after a forward under ``torch.no_grad()``.
 """
 # This file is generated from the staff reference by staff/make_stubs.py: the signatures and
@@ -34,22 +33,21 @@ def unshard(flat_param: FlatParameter, group: dist.ProcessGroup | None = None, *
     """All-gather every rank's shard of ``flat_param`` into ``flat_param.unsharded``.
 
     Afterwards ``unsharded`` has storage for ``padded_numel`` elements and holds shard r at offset
-    ``r * shard_numel`` for every rank r, in ``unsharded``'s dtype and on its device (mixed precision casts
-    the shard; the CPU offload bonus keeps the shard on the CPU). One all-gather over ``group`` (None: the
-    default group) of ``shard_numel`` elements per rank. ``param_dtype``, when given, must be
-    ``unsharded``'s dtype, else ``ValueError`` (that dtype is fixed when the FlatParameter is built).
+    ``r * shard_numel`` for every rank r, in its own dtype and on its own device (mixed precision casts the
+    shard; the CPU offload bonus keeps the shard on the CPU): one all-gather over ``group`` (None: the default
+    group) of ``shard_numel`` elements per rank. ``param_dtype``, when given, must be ``unsharded``'s dtype,
+    else ``ValueError``.
 
-    Returns None with the data in place; with ``async_op=True``, a handle whose ``wait()`` must come before
-    the data is used. Whatever the collective reads (under mixed precision, a cast copy nothing else
-    references) must stay alive until that ``wait()``: on a GPU the collective reads it later.
+    Returns None; with ``async_op=True``, a handle to ``wait()`` on before the data is used. Whatever the
+    collective reads (under mixed precision, a cast copy nothing else references) must stay alive until then:
+    on a GPU the collective reads it later.
 
-    Views of ``unsharded`` that autograd saved in an earlier forward stay usable: a later backward must not
-    fail with "one of the variables needed for gradient computation has been modified by an inplace
-    operation".
+    Views of ``unsharded`` that autograd saved in an earlier forward stay usable: a later backward must not fail
+    with "one of the variables needed for gradient computation has been modified by an inplace operation".
 
     The tests count collectives through the process group, whatever function you call; the benchmarks count
-    and delay them by patching ``torch.distributed``, so call them as ``dist.<name>`` (not ``from
-    torch.distributed import ...``) for the benchmarks' figures to include them.
+    and delay them by patching ``torch.distributed``: call them as ``dist.<name>`` (not ``from
+    torch.distributed import ...``) for their figures to include them.
     """
     raise NotImplementedError("Task 3: implement unshard() in fsdp_assignment/task3_forward.py (see its docstring)")
 
