@@ -3,9 +3,8 @@
 Every model here follows one rule that Task 1 (meta-device init) relies on:
 
     A module that owns parameters or buffers directly defines ``reset_parameters()``, which initializes
-    exactly those (not its children's), and its eager ``__init__`` calls it. Children are created in the
-    order they are assigned, so ``module.modules()`` (pre-order) is the order in which eager init consumed
-    the random number generator.
+    exactly those (not its children's), and its eager ``__init__`` calls it right after creating them,
+    before creating any child module. Children are created in the order they are assigned.
 
 torch's own layers (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``) already follow it.
 
@@ -33,7 +32,7 @@ class ScaledResidual(nn.Module):
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        # Own parameters first, then children: pre-order (module.modules()) is then the eager RNG order.
+        # Own parameters first, initialized at once, then children (the rule in the module docstring).
         # A frozen parameter living in the same unit as trainable ones.
         self.gate = nn.Parameter(torch.empty(dim), requires_grad=False)
         # A persistent buffer: meta-device init must restore it too.
