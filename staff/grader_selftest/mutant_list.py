@@ -482,3 +482,25 @@ MUTANTS += [
            "        super().pre_backward(unit)\n        prefetch_backward(unit)\n",
            "backward prefetching runs while prefetching is off (by the order the last forward with it on recorded)"),
 ]
+
+
+# ---- Dtypes nobody measured (issue 32; ids m69..m72): every one passed the required tests before issue 32's checks.
+MUTANTS += [
+    Mutant("m69", 1, "            fresh = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), "
+                     "requires_grad=p.requires_grad)",
+           "            fresh = nn.Parameter(torch.empty(p.shape, device=device), requires_grad=p.requires_grad)",
+           "materializes a module's own (unsharded) parameters in the default dtype: a bf16 or fp64 model built on "
+           "meta comes back fp32", "", "test_meta_init_replays_the_rng_exactly"),
+    Mutant("m70", 2, "resize_(self.padded_numel * self.unsharded.element_size())",
+           "resize_(self.padded_numel * self.shard.element_size())",
+           "allocates the gathered bf16 buffer with the fp32 shard's element size: twice the gathered memory under "
+           "mixed precision, every number right"),
+    Mutant("m71", 5, "    local = (flat_param.shard if local is None else local).detach().to(flat_param.unsharded.device)",
+           "    local = (flat_param.shard.to(flat_param.unsharded.dtype) if local is None else local).detach().to(\n"
+           "        flat_param.unsharded.device)",
+           "gathers full parameters in the unsharded buffer's dtype: under mixed precision gather_full_params and "
+           "the full state dict come back bf16"),
+    Mutant("m72", 5, "                out.update({prefix + name: t for name, t in gathered.items()})",
+           "                out.update({prefix + name: t.to(flat_param.unsharded.dtype) for name, t in gathered.items()})",
+           "returns the full model state dict in param_dtype (bf16 under mixed precision), the parameters right"),
+]

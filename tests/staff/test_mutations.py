@@ -74,7 +74,12 @@ def ci_mutants() -> list:
             first_of_target.setdefault(m.target, m.id)
     chosen = set(first_of_target.values()) | {m.id for m in mutations.MUTANTS if m.issue_bug}
     chosen |= {m.id for m in mutations.MUTANTS if m.id.startswith("m") and m.id[1:].isdigit() and int(m.id[1:]) >= 50}
-    return [m for m in mutations.MUTANTS if m.id in chosen]
+    return [m for m in mutations.MUTANTS if m.id in chosen - OUTSIDE_CI]
+
+
+# Issue 32's dtype mutants killed only by a public Task 7 test after the mutated task's suite ran: 99-138 s each
+# (mutations.py --only m69 m70 m71 m72, one worker: 13, 138, 132, 99 s). Graded by the full mutation run, not CI.
+OUTSIDE_CI = {"m70", "m71", "m72"}
 
 
 def test_ci_grades_a_mutant_of_every_target_and_every_issue_bug():
