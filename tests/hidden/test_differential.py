@@ -5,7 +5,7 @@ the generator: each runs through your ``fully_shard`` (and the other adapters) i
 ``torch.distributed.fsdp.fully_shard`` in another that imports none of your code; the parent compares losses,
 input and parameter gradients, parameters after the steps, full and sharded state dicts and optimizer state, and
 checks both runs' invariant monitors, and that each unit of yours reduces its gradient from its own
-post-backward trigger (before backward reaches the root's input), not from the final callback. Two spawns for
+post-backward trigger, during backward, not from the final callback. Two spawns for
 all of them.
 """
 
@@ -138,6 +138,6 @@ def compare(cfg: dict, ours: list[dict], fsdp2: list[dict]) -> None:
             for i, (before, total) in enumerate(a["early_reductions"]):
                 assert before == total, (
                     f"{where}: micro-batch {i}: {total - (before or 0)} of the backward's {total} reduce-scatters were "
-                    f"issued after autograd had reached the root's input, i.e. from the final callback: a unit's "
+                    f"issued from autograd's final callback, after the backward's last node had run: a unit's "
                     f"post-backward must run when its own backward is done (the trigger on its inputs, keyword "
                     f"arguments included, applied before the parameter views are made: Task 4)")

@@ -64,15 +64,17 @@ class CallLog:
         self.calls: list[Call] = []
         self._lock = threading.Lock()
         self._pending: set[int] = set()  # indices in calls of the late collectives not waited on yet
-        # Optional: called as listener(call, output) when a call is issued; ``output`` is the tensor the
-        # caller receives the result in (None for calls without one), e.g. to tell which buffer was gathered.
+        # Optional: called as listener(call, output, sent) when a call is issued: ``output`` is the tensor the
+        # caller receives the result in, ``sent`` the tensor this rank contributes (the first, for the list forms;
+        # each None for calls without one). Tests tell which unit an all-gather is for by what it sends (``gathered_unit``), never by the
+        # buffer it writes into: gathering into a list of shards and copying is as correct as gathering in place.
         self.listener = None
 
-    def add(self, call: Call, output: torch.Tensor | None = None) -> None:
+    def add(self, call: Call, output: torch.Tensor | None = None, sent: torch.Tensor | None = None) -> None:
         with self._lock:
             self.calls.append(call)
         if self.listener is not None:
-            self.listener(call, output)
+            self.listener(call, output, sent)
 
     def mark(self) -> int:
         return len(self.calls)
@@ -89,6 +91,20 @@ class CallLog:
         """The records from ``mark`` on, as plain dicts (they travel back to the test)."""
         return [dict(kind=c.kind, numel=c.numel, dtype=c.dtype, async_op=c.async_op, group_size=c.group_size)
                 for c in self.calls[mark:]]
+
+
+def gathered_unit(sent: torch.Tensor | None, units: dict):
+    """The key in ``units`` (name -> FSDPUnit) of the unit whose FlatParameter shard an all-gather sends: the
+    one whose ``shard`` (in the tensor's dtype and device) equals ``sent``, element for element; None when no
+    unit's does, or when several do (the test cannot tell them apart). This is what every correct unshard
+    sends, whatever it gathers into; called from a listener, when the call is issued, before anything moves."""
+    if sent is None:
+        return None
+    sent = sent.detach().reshape(-1)
+    found = [name for name, unit in units.items() for fp in unit.flat_params
+             if fp.shard.numel() == sent.numel()
+             and torch.equal(fp.shard.detach().to(device=sent.device, dtype=sent.dtype), sent)]
+    return found[0] if len(set(found)) == 1 else None
 
 
 class _LateWork(dist._Work):
@@ -170,7 +186,7 @@ class CountedProcessGroup(dist.ProcessGroup):
                 numel: int | None = None) -> None:
         numel = numel if numel is not None else int(tensor.numel()) if tensor is not None else 0
         dtype = str(tensor.dtype) if tensor is not None else ""
-        self.log.add(Call(kind, numel, dtype, bool(getattr(opts, "asyncOp", True)), self.size()), output)
+        self.log.add(Call(kind, numel, dtype, bool(getattr(opts, "asyncOp", True)), self.size()), output, tensor)
 
     def _late(self, outputs: list[torch.Tensor], run):
         """Run the real collective into private copies of ``outputs``; poison ``outputs`` until wait()."""

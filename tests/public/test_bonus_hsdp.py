@@ -92,7 +92,7 @@ def _hsdp_runs(rank, world_size, shapes, prefetch):
         start = log.mark()
         in_flight = [0]
 
-        def count_reductions(call, output):  # before each new reduce-scatter: how many are still not waited on
+        def count_reductions(call, output, sent):  # before each new reduce-scatter: how many are still not waited on
             if call.kind == "reduce_scatter":
                 n = sum(c["kind"] == "reduce_scatter" for c in log.unwaited(start))
                 in_flight[0] = max(in_flight[0], n)

@@ -9,7 +9,7 @@ import torch
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, LoRAConfig, LoRAModel, ToyMLP, gpt_batch, gpt_loss
 from tests.harness import run_ranks
-from tests.public.collectives import use_counted_collectives
+from tests.public.collectives import gathered_unit, use_counted_collectives
 from tests.public.invariants import check_monitor
 from tests.public.monitor import Monitor
 from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard,
@@ -224,17 +224,17 @@ GPT_AC_UNITS = [f"blocks.{i}." for i in range(AC_CFG.n_layer)] + [""]
 
 
 def _name_gathered_buffers(model, log) -> list[str]:
-    """A list that receives, for every all-gather from now on, the name of the unit whose buffer it fills
-    ("blocks.1." or "" for the root), identified by the output's storage (the test's own bookkeeping)."""
+    """A list that receives, for every all-gather from now on, the name of the unit it gathers ("blocks.1." or
+    "" for the root; "?" for none), identified by the shard it sends (``gathered_unit``), not by where it
+    writes: an implementation may gather into any buffer it likes."""
     units = {name: unit for name, unit in zip(GPT_AC_UNITS, [*(b._fsdp_unit for b in model.blocks),
                                                              model._fsdp_unit])}
     names: list[str] = []
 
-    def on_collective(call, output):
-        if call.kind == "all_gather" and output is not None:
-            ptr = output.untyped_storage().data_ptr()
-            names.append(next((n for n, u in units.items() for fp in u.flat_params
-                               if fp.unsharded.untyped_storage().data_ptr() == ptr), "?"))
+    def on_collective(call, output, sent):
+        if call.kind == "all_gather":
+            who = gathered_unit(sent, units)
+            names.append("?" if who is None else who)
     log.listener = on_collective
     return names
 

@@ -8,7 +8,7 @@ import torch
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, gpt_loss
 from tests.harness import run_ranks
-from tests.public.collectives import use_counted_collectives
+from tests.public.collectives import gathered_unit, use_counted_collectives
 from tests.public.common import hand_shard_gpt, local_batch
 from tests.public.invariants import check_monitor
 from tests.public.monitor import Monitor
@@ -88,14 +88,12 @@ def _trace(rank, world_size):
     def count_unsharded():
         unsharded_counts.append(sum(any(fp.is_unsharded() for fp in u.flat_params) for u in units if not u.is_root))
 
-    def on_collective(call, output):
+    def on_collective(call, output, sent):
         if not tracing[0] or call.kind not in ("all_gather", "reduce_scatter"):
             return
         which = None
-        if call.kind == "all_gather":  # identify the unit by the buffer it gathers into
-            ptr = output.untyped_storage().data_ptr()
-            which = next((blocks.index(u) for u in blocks for fp in u.flat_params
-                          if fp.unsharded.untyped_storage().data_ptr() == ptr), "root")
+        if call.kind == "all_gather":  # identify the unit by the shard it sends, not by where it writes
+            which = gathered_unit(sent, {**dict(enumerate(blocks)), "root": root})
         events.append(("ag" if call.kind == "all_gather" else "rs", which, call.async_op))
         count_unsharded()
 

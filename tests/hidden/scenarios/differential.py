@@ -438,7 +438,7 @@ def run_script(api, cfg: dict, rank: int, log) -> dict:
         mon.setting(param_dtype="torch.bfloat16", reduce_dtype="torch.float32")
     optim = api.optimizer(model, cfg)
     losses, input_grads, syncs = [], [], sync_schedule(cfg)
-    early = []  # per micro-batch: (reduce-scatters issued before backward reached the input x, in the whole backward)
+    early = []  # per micro-batch: (reduce-scatters issued before autograd's final callbacks, in the whole backward)
     micro = 0
     for step in range(cfg["steps"]):
         if cfg["checkpoint"] and step == 2:  # save a full checkpoint, load it into a fresh model and optimizer
@@ -468,10 +468,17 @@ def run_script(api, cfg: dict, rank: int, log) -> dict:
             out = model(x, y=y) if y is not None else model(x)
             loss = loss_of(cfg, out, step, model)
             start, seen = (log.mark() if log is not None else 0), []
-            if log is not None:  # x's gradient is made last: every unit's post-backward has run by then
-                x.register_hook(lambda g: seen.append(log.mark()))
+            if log is not None:
+                # Where autograd's final callbacks start: a callback queued by the loss's own node, the first to
+                # run, is the first of them, ahead of any the implementation queues. Not "when x's gradient is
+                # made": an implementation that reduces from a hook on its accumulated gradient (FSDP1's way)
+                # reduces the root's right after that, during backward, and is right to.
+                engine = torch.autograd.Variable._execution_engine
+                first_node = loss.grad_fn.register_prehook(
+                    lambda grads: engine.queue_callback(lambda: seen.append(log.mark())))
             mon.backward(loss)
             if log is not None:
+                first_node.remove()
                 rs = [c["kind"] == "reduce_scatter" for c in log.since(start)]
                 early.append((sum(rs[:seen[0] - start]) if seen else None, sum(rs)))
             losses.append(float(loss.detach()))

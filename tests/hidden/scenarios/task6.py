@@ -6,7 +6,7 @@ import torch
 
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, gpt_loss
-from tests.public.collectives import use_counted_collectives
+from tests.public.collectives import gathered_unit, use_counted_collectives
 from tests.public.common import describe_flat_params, hand_shard_gpt, local_batch
 
 
@@ -33,10 +33,10 @@ def _run(rank, world_size, prefetch, trace, log):
     max_unsharded = [0]
     tracing = [False]
 
-    def on_collective(call, output):
+    def on_collective(call, output, sent):
         if not tracing[0] or call.kind != "all_gather":
             return
-        who = _owner(units, names, output)
+        who = _owner(units, names, sent)
         gathers[phase[0]][who] = gathers[phase[0]].get(who, 0) + 1
         max_unsharded[0] = max(max_unsharded[0], sum(any(fp.is_unsharded() for fp in u.flat_params)
                                                      for u in units if not u.is_root))
@@ -62,13 +62,11 @@ def _run(rank, world_size, prefetch, trace, log):
     return {"grads": grads, "gathers": gathers, "max_unsharded": max_unsharded[0], "resharded": resharded}
 
 
-def _owner(units, names, output):
-    ptr = output.untyped_storage().data_ptr() if isinstance(output, torch.Tensor) else None
-    for u in units:
-        for fp in u.flat_params:
-            if ptr is not None and fp.unsharded.untyped_storage().data_ptr() == ptr:
-                return names[id(u)]
-    return "other"
+def _owner(units, names, sent):
+    """The name of the unit whose shard an all-gather sends ("other": none): by what it sends, never by the
+    buffer it writes into (gathering into a list of shards and copying is as correct as gathering in place)."""
+    who = gathered_unit(sent, {names[id(u)]: u for u in units})
+    return "other" if who is None else who
 
 
 def _both(rank, world_size):
@@ -106,9 +104,9 @@ def _reorder(rank, world_size, orders=ORDERS):
     events = []
     max_unsharded = {}
 
-    def on_collective(call, output):
+    def on_collective(call, output, sent):
         if call.kind == "all_gather":
-            events.append(("ag", _owner(units, names, output)))
+            events.append(("ag", _owner(units, names, sent)))
         now = sum(any(fp.is_unsharded() for fp in u.flat_params) for u in units if not u.is_root)
         max_unsharded[step] = max(max_unsharded.get(step, 0), now)
 
