@@ -13,7 +13,8 @@ A model too big for one device cannot be built eagerly and then sharded. It is b
 
 The model's contract (``fsdp_assignment/support/models.py`` follows it, as do torch's layers): a module that
 owns parameters or buffers directly defines ``reset_parameters()`` initializing exactly those (not its
-children's), and eager construction ran each module's init once. A tied parameter keeps the value its first
+children's), and its eager ``__init__`` calls it right after creating them, before creating any child module;
+children are created in the order they are assigned. A tied parameter keeps the value its first
 initializer gave it, but every owner's init consumed random numbers.
 
 Problems to solve: in which order did eager construction consume the generator, and how do you replay
