@@ -410,7 +410,8 @@ def render_png(out_dir: Path, dpi: int = 80) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    # the usage block of the docstring (its first three paragraphs), not only its title
+    parser = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:3]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only check that handout.pdf is up to date")
     parser.add_argument("--png", type=Path, metavar="DIR", help="also render every page to DIR/page-NN.png")

@@ -107,10 +107,10 @@ def stub_files() -> dict[Path, str]:
             for task, name in TASK_MODULES.items()}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only report stubs that differ from the reference")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     stale = []
     for path, text in stub_files().items():
         if args.check:

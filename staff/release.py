@@ -4,6 +4,8 @@
     python staff/release.py DEST --force    # replace an existing DEST (deleted first)
     python staff/release.py DEST --git      # also `git init` DEST and commit everything ("Initial release")
     python staff/release.py --check DEST    # only run the static checks on an existing release
+    python staff/release.py DEST --with-reference   # staff only: the release with the reference's task files
+                                                    # over the stubs (to run it end to end); never ship it
 
 What goes in: every file git tracks here (working-tree content; untracked and ignored files never go in, so no
 caches, results, virtualenvs or checkpoints), minus the staff-only paths in ``EXCLUDED``: the reference solution
@@ -459,7 +461,8 @@ def drop_in_reference(dest: Path, root: Path = ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    # the usage block of the docstring (its first two paragraphs), not only its title
+    parser = argparse.ArgumentParser(description="\n\n".join(__doc__.split("\n\n")[:2]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dest", type=Path, help="the directory to write the release into (or to --check)")
     parser.add_argument("--check", action="store_true", help="only check an existing release in DEST")

@@ -31,7 +31,7 @@ TASK_TITLES: dict[int, str] = {1: "meta-device init", 2: "FlatParameter", 3: "fo
 # each question's points and its "Deliverable:" line; tests/staff/test_handout.py checks that both agree with this
 # table, and the staff answer key (staff/answer_key/) gives full, partial and no credit for each.
 WRITEUP_QUESTION_POINTS: dict[str, int] = {
-    "Q1": 2, "Q2": 2, "Q3": 3, "Q4": 2, "Q5": 2, "Q6": 2, "Q7": 3, "Q8": 3, "Q9": 5, "Q10": 4, "Q11": 4, "Q12": 4,
+    "Q1": 2, "Q2": 3, "Q3": 3, "Q4": 2, "Q5": 2, "Q6": 2, "Q7": 2, "Q8": 3, "Q9": 5, "Q10": 4, "Q11": 4, "Q12": 4,
     "Q13": 5, "Q14": 4, "Q15": 7,
 }
 WRITEUP_TABLE_POINTS: dict[str, int] = {

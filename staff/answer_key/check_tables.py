@@ -5,10 +5,13 @@
 
 ``make_submission.sh`` puts ``benchmarks/results/*.json`` in the zip next to WRITEUP.md. Every row pasted under a
 benchmark table header of WRITEUP_TEMPLATE.md is looked up in the JSON by its key columns (strategy, W,
-interconnect, ...), and its measured columns (peak, model, step time, ratio, bytes, fit) are compared with the
-JSON's values at the precision the scripts print (3 significant digits). It reports rows whose numbers differ
-(a hand-edited table), pasted rows the JSON does not have, and JSON rows that were not pasted; exit status 1 when a
-row differs or is unknown. A missing row is reported but is not a mismatch (the rubric grades it).
+interconnect, ...), and the script renders that row again from the JSON, cell by cell, as the benchmark printed it
+(the benchmarks' own cell formats: ``benchmarks/report.py``'s, ``bench_step.exposed_cell``). Every number of every
+pasted cell (the median and its min-max, the model, the error, the breakdown, the bytes, the fit, ...) must equal
+the rendered one at the precision the table prints; a cell without numbers ("yes", a note) must read the same. It
+reports each difference with its table, row and column, pasted rows the JSON does not have, and JSON rows that
+were not pasted; exit status 1 when a row differs or is unknown. A missing row is reported but is not a mismatch
+(the rubric grades it).
 """
 
 from __future__ import annotations
@@ -23,50 +26,120 @@ from pathlib import Path
 
 MIB = 2**20
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import report  # noqa: E402  (no torch: the tables' own cell formats)
+
+
+def _cell(v) -> str:
+    """A cell as report.markdown_table prints it."""
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
 
 
 def _human(n: int) -> str:  # bench_comm.py's size cell
     return f"{n // 1024 ** 2} MiB" if n >= 1024 ** 2 else f"{n // 1024} KiB" if n >= 1024 else f"{n} B"
 
 
-# kind -> (the header's first cells, the key columns, the JSON file, rows of that JSON as (key, {column: value}))
+def _pct(x: float, digits: int = 1, sign: bool = False) -> str:
+    return f"{x:+.{digits}%}" if sign else f"{x:.{digits}%}"
+
+
+# Each renderer: the JSON of one benchmark -> [(key cells, {column: the cell as the benchmark printed it})]. A cell
+# the JSON cannot give whole (an old JSON without the one-process rounds) is PARTIAL: its first number only.
+PARTIAL = "\0partial\0"
+
+
 def _memory(d):
-    return [((r["strategy"], str(r["world_size"])), {"peak MiB": r["peak_bytes"] / MIB,
-                                                     "model MiB": r["model"]["peak_bytes"] / MIB})
-            for r in d.get("results") or []]
+    from benchmarks.bench_memory import CATEGORIES
+
+    out = []
+    for r in d.get("results") or []:
+        steps = r["peak_bytes_all_steps_per_rank"][r.get("worst_rank", r["peak_bytes_per_rank"].index(r["peak_bytes"]))]
+        cells = {"peak MiB": report.spread(steps, 1 / MIB), "model MiB": _cell(r["model"]["peak_bytes"] / MIB),
+                 "model error": _pct(r["model_error"], sign=True),
+                 "vs one process": "n/a" if r.get("vs_one_process") is None else f"{r['vs_one_process']:.3f}x"}
+        cells.update({f"{c} MiB": _cell(r["breakdown_at_peak"][c] / MIB) for c in CATEGORIES})
+        out.append(((r["strategy"], str(r["world_size"])), cells))
+    return out
 
 
 def _coll(d):
     return [((r["kind"].replace("_", "-"), str(r["world_size"]), r.get("interconnect", ""), _human(r["size"])),
-             {"time us": r["seconds"] * 1e6, "busbw GB/s": r["busbw_gbps"]}) for r in d.get("collectives") or []]
+             {"time us": report.spread(r.get("seconds_repeats", [r["seconds"]]), 1e6),
+              "algbw GB/s": _cell(r["algbw_gbps"]), "busbw GB/s": _cell(r["busbw_gbps"])})
+            for r in d.get("collectives") or []]
 
 
 def _bytes(d):
-    return [((r["strategy"], str(r["world_size"])), {"total MiB": r["total_bus_bytes"] / MIB})
-            for r in d.get("bytes_per_step") or []]
+    out = []
+    for r in d.get("bytes_per_step") or []:
+        mib = {k: (r.get("counted") or {}).get(k, {}).get("bus_bytes", 0.0) / MIB
+               for k in ("all_gather", "reduce_scatter", "all_reduce")}
+        out.append(((r["strategy"], str(r["world_size"])),
+                    {"all-gather MiB": _cell(mib["all_gather"]), "reduce-scatter MiB": _cell(mib["reduce_scatter"]),
+                     "all-reduce MiB": _cell(mib["all_reduce"]), "total MiB": _cell(r["total_bus_bytes"] / MIB),
+                     "formula": r["formula"], "formula MiB": _cell(r["formula_bytes"] / MIB),
+                     "counted / formula": f"{r['ratio']:.4f}", "note": r.get("note", "")}))
+    return out
 
 
 def _fit(d):
-    return [((f["kind"].replace("_", "-"), str(f["world_size"]), f.get("interconnect", "")),
-             {"alpha us (± 2 SE)": f["alpha_s"] * 1e6}) for f in d.get("alpha_beta") or []]
+    out = []
+    for f in d.get("alpha_beta") or []:
+        beta_gb = f["beta_bytes_per_s"] / 1e9
+        out.append(((f["kind"].replace("_", "-"), str(f["world_size"]), f.get("interconnect", "")),
+                    {"alpha us (± 2 SE)": f"{f['alpha_s'] * 1e6:.0f} ± {2 * f['alpha_se_s'] * 1e6:.0f}",
+                     "alpha resolved": "yes" if f["alpha_resolved"] else f"no: alpha < {f['alpha_bound_s'] * 1e6:.0f} us",
+                     "beta GB/s (± 2 SE)": f"{beta_gb:.3g} ± {2 * f['beta_rel_se'] * beta_gb:.2g}"
+                     if 0 < beta_gb < float("inf") else "n/a (fitted slope <= 0: the sizes are too small or too noisy)",
+                     "sizes": str(f["sizes"]), "max rel. error of the fit": _pct(f["max_rel_error"])}))
+    return out
 
 
 def _step(d):
-    return [((r["strategy"], str(r["world_size"]), r["interconnect"]), {"step ms": r["step_s"] * 1e3})
-            for r in d.get("results") or []]
+    from benchmarks.bench_step import exposed_cell
+
+    cfg = d.get("config") or {}
+    tokens = cfg.get("batch", 0) * cfg.get("block_size", 0)
+    out = []
+    for r in d.get("results") or []:
+        if r["strategy"] == "one process":
+            rounds = r.get("per_round_s")
+            cells = {"step ms": report.spread(rounds, 1e3) if rounds else PARTIAL + _cell(r["step_s"] * 1e3),
+                     "vs one process": "1.00x", "exposed comm": "0%", "tokens/s": _cell(tokens / r["step_s"])}
+        else:
+            vs = r.get("vs_one_process")
+            cells = {"step ms": report.spread(r["per_round_s"], 1e3),
+                     "vs one process": "n/a" if vs is None else f"{vs:.2f}x", "exposed comm": exposed_cell(r["exposed"]),
+                     "tokens/s": _cell(r["world_size"] * tokens / r["step_s"])}
+        out.append(((r["strategy"], str(r["world_size"]), r["interconnect"]), cells))
+    return out
 
 
 def _ratio(d):
-    return [((r["comparison"], str(r["world_size"]), r.get("interconnect", "-")), {"ratio (median)": r["median"]})
+    return [((r["comparison"], str(r["world_size"]), r.get("interconnect", "-")),
+             {"ratio (median)": _cell(r["median"]), "min": _cell(min(r["per_round"])),
+              "max": _cell(max(r["per_round"])), "rounds": str(len(r["per_round"]))})
             for r in d.get("ratios") or []]
 
 
 def _scaling(d):
-    return [((r["scaling"], r["strategy"], str(r["world_size"])), {"step ms": r["step_s"] * 1e3,
-                                                                 "peak MiB per rank": r["peak_bytes"] / MIB})
-            for r in d.get("results") or []]
+    out = []
+    for r in d.get("results") or []:
+        slowest = max(r["per_rank"], key=lambda x: x["step_s"])
+        out.append(((r["scaling"], r["strategy"], str(r["world_size"])),
+                    {"global batch": str(r["global_batch"]), "batch per rank": str(r["batch_per_rank"]),
+                     "step ms": report.spread(slowest["times_s"], 1e3), "efficiency": f"{r['efficiency']:.2f}",
+                     "tokens/s": _cell(r["tokens_per_s"]), "peak MiB per rank": _cell(r["peak_bytes"] / MIB)}))
+    return out
 
 
+# kind -> (the header's first cells, how many leading columns are the row's key, the JSON file, the renderer)
 KINDS = {
     "memory": (["strategy", "W", "peak MiB"], 2, "memory", _memory),
     "collectives": (["collective", "W", "interconnect", "size"], 4, "comm", _coll),
@@ -99,46 +172,56 @@ def pasted_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
     return tables
 
 
-def _number(cell: str) -> float | None:
-    m = re.match(r"\s*([-+]?[\d,]*\.?\d+(?:e[-+]?\d+)?)", cell)
-    return float(m.group(1).replace(",", "")) if m else None
+NUMBER = re.compile(r"(?<![\d.])[-+]?\d(?:[\d,]*\d)?(?:\.\d+)?(?:e[-+]?\d+)?")
 
 
-def _close(shown: float, value: float) -> bool:
-    """Equal at the printed precision: 3 significant digits, or a whole number when >= 1000."""
-    if abs(value) >= 1000:
-        return abs(shown - value) <= 0.51 + 1e-9 * abs(value)
-    return abs(shown - value) <= 0.0051 * abs(value) + 1e-12
+def numbers(cell: str) -> list[float]:
+    """Every number a cell prints, in order: '61.3 (61.2-61.4, n=3)' -> [61.3, 61.2, 61.4, 3]."""
+    return [float(m.group(0).replace(",", "")) for m in NUMBER.finditer(cell)]
+
+
+def _same(pasted: str, expected: str) -> bool:
+    """Equal at the precision the table prints: the same numbers, in order; a cell without numbers, the same words."""
+    if expected.startswith(PARTIAL):
+        got = numbers(pasted)
+        return bool(got) and got[0] == numbers(expected[len(PARTIAL):])[0]
+    want = numbers(expected)
+    if want:
+        return numbers(pasted) == want
+    return " ".join(pasted.split()).casefold() == " ".join(expected.split()).casefold()
 
 
 def check(writeup: str, results: dict[str, dict]) -> tuple[list[str], list[str]]:
-    """(problems, notes): problems are mismatches and unknown rows; notes are JSON rows not pasted."""
+    """(problems, notes): problems are mismatches (table, row, column, pasted, expected) and unknown rows; notes are
+    JSON rows not pasted."""
     problems, notes, seen = [], [], {}
     for header, rows in pasted_tables(writeup):
         kind = next((k for k, (head, *_rest) in KINDS.items() if header[:len(head)] == head), None)
         if kind is None or not rows:
             continue
-        head, nkey, name, extract = KINDS[kind]
+        head, nkey, name, render = KINDS[kind]
         if name not in results:
             problems.append(f"{kind}: {len(rows)} pasted row(s), but the submission has no {name}.json")
             continue
-        expected = dict(extract(results[name]))
+        expected = dict(render(results[name]))
         for row in rows:
             key = tuple(row[:nkey])
             seen.setdefault(kind, set()).add(key)
             if key not in expected:
                 problems.append(f"{kind}: row {' | '.join(key)} is not in {name}.json")
                 continue
-            for column, value in expected[key].items():
-                if column not in header or header.index(column) >= len(row):
+            for column, want in expected[key].items():
+                if column not in header:
                     continue
-                shown = _number(row[header.index(column)])
-                if shown is None or not _close(shown, value):
-                    problems.append(f"{kind}: row {' | '.join(key)}, column '{column}': pasted "
-                                    f"{row[header.index(column)]!r}, {name}.json has {value:.4g}")
-    for kind, (head, nkey, name, extract) in KINDS.items():
+                i = header.index(column)
+                got = row[i] if i < len(row) else ""
+                if not _same(got, want):
+                    shown = want[len(PARTIAL):] + " (its first number)" if want.startswith(PARTIAL) else want
+                    problems.append(f"{kind}: row {' | '.join(key)}, column '{column}': pasted {got!r}, "
+                                    f"{name}.json gives {shown!r}")
+    for kind, (head, nkey, name, render) in KINDS.items():
         if name in results:
-            for key, _ in extract(results[name]):
+            for key, _ in render(results[name]):
                 if key not in seen.get(kind, set()):
                     notes.append(f"{kind}: {name}.json row {' | '.join(key)} was not pasted")
     return problems, notes
@@ -161,7 +244,7 @@ def load_submission(path: Path, results_dir: Path | None) -> tuple[str, dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("submission", type=Path, help="submission.zip, an unpacked submission folder, or a WRITEUP.md")
     p.add_argument("--results", type=Path, help="the results folder (default: benchmarks/results/ beside WRITEUP.md)")
     args = p.parse_args(argv)

@@ -30,6 +30,7 @@ import math
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -157,13 +158,35 @@ def _g(x, digits: int = 3) -> str:
     return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}g}"
 
 
-def resolved(lo: float, hi: float, threshold: float = 1.0, below: str = "faster", above: str = "slower") -> str:
-    """The handout's noise rule (Models box, item 4): resolved only when the whole interval is on one side."""
+def resolved(lo: float, hi: float, threshold: float = 1.0, below: str = "faster", above: str = "slower",
+             point: float | None = None) -> str:
+    """The handout's noise rule (Models box, item 4): resolved only when the whole interval is on one side of the
+    threshold; otherwise undecided at this precision, and the answer gives the interval and the side of the point
+    estimate (that answer earns the part)."""
     if hi < threshold:
         return f"resolved: {below}"
     if lo > threshold:
         return f"resolved: {above}"
-    return "not resolved on this machine (the interval contains 1)"
+    side = "" if point is None else (f"; the point estimate is on the {below} side" if point < threshold else
+                                     f"; the point estimate is on the {above} side" if point > threshold else
+                                     "; the point estimate is on the threshold")
+    return f"undecided at this precision (the interval contains {threshold:g}){side}: say so, with the interval"
+
+
+def fit_usable(f: dict) -> tuple[float | None, float | None]:
+    """(alpha to use, beta) of a fit under the Models box's rule: alpha only when resolved and > 0 (else None: use 0,
+    and alpha_bound as an upper bound); beta only when the fitted slope is > 0 (else None: no beta, no N_1/2, no W*)."""
+    beta = f.get("beta_bytes_per_s")
+    beta = beta if isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0 else None
+    alpha = f["alpha_s"] if f.get("alpha_resolved") and f.get("alpha_s", 0) > 0 else None
+    return alpha, beta
+
+
+def beta_range(f: dict, beta: float) -> tuple[float, float]:
+    """beta's +- 2 SE interval (its lower end may be <= 0: then beta is bounded below by nothing)."""
+    rel = f.get("beta_rel_se")
+    rel = rel if isinstance(rel, (int, float)) and math.isfinite(rel) else math.inf
+    return beta * (1 - 2 * rel), beta * (1 + 2 * rel)
 
 
 def fit_of(comm: dict, w: int, kind: str = "all_gather") -> dict | None:
@@ -175,10 +198,61 @@ def fit_of(comm: dict, w: int, kind: str = "all_gather") -> dict | None:
 def crossover_w(alpha: float, beta: float, t_comp: float, psi: int, units: int, b: int = 4) -> float | None:
     """The Models box's W*: the positive root of a W^2 + (c - a - T) W - c = 0, a = 3 n_units alpha, c = 3 psi b /
     beta; with alpha <= 0 (the rule for an unresolved alpha: 0) W* = c / (c - T) if c > T, else None (never)."""
+    if beta <= 0:  # no bandwidth bound: communication could limit from the first extra rank on
+        return 1.0
     a, c, t = 3 * units * alpha, 3 * psi * b / beta, t_comp
     if a <= 0:
         return c / (c - t) if c > t else None
     return ((t + a - c) + ((t + a - c) ** 2 + 4 * a * c) ** 0.5) / (2 * a)
+
+
+def n_half_interval(f: dict, w: int, b: int = 4) -> tuple[float, float]:
+    """N_1/2 = W alpha beta / b over the fit's ± 2 SE ranges of alpha and beta: (lowest, highest), in elements.
+    alpha unresolved or <= 0: (0, W alpha_bound beta / b), an upper bound only (the Models box's rule); beta n/a
+    (slope <= 0): (nan, nan)."""
+    alpha, beta = fit_usable(f)
+    if beta is None:
+        return math.nan, math.nan
+    if alpha is None:
+        return 0.0, w * f["alpha_bound_s"] * beta / b
+    b_lo, b_hi = beta_range(f, beta)
+    a_lo, a_hi = max(alpha - 2 * f["alpha_se_s"], 0.0), alpha + 2 * f["alpha_se_s"]
+    return w * a_lo * max(b_lo, 0.0) / b, w * a_hi * b_hi / b
+
+
+def latency_or_bandwidth(blk: int, interval: tuple[float, float], alpha, beta, w: int) -> str:
+    """Q10(c)'s rule: Psi_blk against N_1/2's range; an unresolved alpha gives only an upper bound, no beta no N_1/2."""
+    lo, hi = interval
+    if beta is None:
+        return "undecided on this machine: no beta (the fit's slope <= 0), so no N_1/2: say so"
+    if blk > hi:
+        return ("bandwidth-bound: Psi_blk is above " + ("the bound on N_1/2" if alpha is None else "N_1/2's whole range"))
+    if alpha is not None and blk < lo:
+        return "latency-bound: Psi_blk is below N_1/2's whole range"
+    if alpha is None:
+        return ("undecided at this precision: alpha is not resolved, so N_1/2 has only an upper bound, and Psi_blk is "
+                "below it: say so")
+    point = w * alpha * beta / 4
+    return (f"undecided at this precision: Psi_blk is inside N_1/2's range ({lo:,.0f} to {hi:,.0f}); the point estimate "
+            f"N_1/2 = {point:,.0f} puts it on the {'bandwidth' if blk > point else 'latency'}-bound side: say so, "
+            "with the range")
+
+
+def students_row(strategy: str) -> bool:
+    """A row of the student's own FSDP (FSDP, no-reshard, + prefetch, 2 blocks/unit), not torch's FSDP2."""
+    return strategy.startswith("FSDP") and "FSDP2" not in strategy
+
+
+def dominant_term(model: dict) -> tuple[str, str, dict[str, int]]:
+    """(the largest term, its branch, that branch's terms) of the Models box's memory model,
+    max(12 S + A + 4 (U_p + U_g), 16 S + 4 U_end): the dominant term is read in the branch that sets the peak, never
+    across the two (16 S and 4 U_end belong to the end of backward, 12 S, A and 4 (U_p + U_g) to its start)."""
+    start = {"12 S (parameters + AdamW)": 12 * model["S"], "A (activations)": model["activations_bytes"],
+             "4 (U_p + U_g) (unsharded)": model["unsharded_params_bytes"] + model["unsharded_grads_bytes"]}
+    end = {"16 S (model states)": 16 * model["S"], "4 U_end": model["end_extra_bytes"]}
+    branch, terms = (("start-of-backward", start) if model["at_backward_start"] >= model["at_backward_end"]
+                     else ("end-of-backward", end))
+    return max(terms, key=terms.get), branch, terms
 
 
 class Values:
@@ -186,9 +260,15 @@ class Values:
 
     def __init__(self):
         self.by_q: dict[str, list[tuple[str, str, str]]] = {}
+        self.conclusions: dict[str, list[tuple[str, str]]] = {}
 
     def add(self, q: str, name: str, what: str, value) -> None:
         self.by_q.setdefault(q, []).append((name, what, str(value)))
+
+    def conclude(self, q: str, name: str, part: str, text: str) -> None:
+        """The conclusion the question's rule gives on these numbers (also a value the key can quote)."""
+        self.conclusions.setdefault(q, []).append((part, text))
+        self.add(q, name, f"expected conclusion, {part}", text)
 
     def flat(self) -> dict[str, str]:
         return {name: value for items in self.by_q.values() for name, _, value in items}
@@ -253,18 +333,18 @@ def values(results: Path) -> Values:
             v.add("Q6", f"q6_w{W}", f"W = {W}", "n/a")
             v.add("Q9", f"q9_fsdp_w{W}", f"W = {W}", "n/a")
     errs = [100 * r["model_error"] for r in mem.get("results") or [] if r.get("model_error") is not None
-            and str(r.get("strategy", "")).startswith("FSDP")]
-    v.add("Q9", "q9_err_range", "FSDP rows' model error, lowest to highest",
+            and students_row(r.get("strategy", ""))]
+    v.add("Q9", "q9_err_range", "the student's FSDP rows' model error (torch's FSDP2 row apart), lowest to highest",
           f"{min(errs):+.1f}% to {max(errs):+.1f}%" if errs else "n/a")
     r4 = rows.get(("FSDP", 4))
     if r4:
-        m = r4["model"]
-        terms = {"16 S (model states)": 16 * m["S"], "A (activations)": m["activations_bytes"],
-                 "4 (U_p + U_g) (unsharded)": m["unsharded_params_bytes"] + m["unsharded_grads_bytes"],
-                 "4 U_end": m["end_extra_bytes"]}
-        top = max(terms, key=terms.get)
-        v.add("Q9", "q9_dominant", "the largest term of the model at W = 4",
-              f"{top}: {_mib(terms[top])}; then " + ", ".join(f"{k} {_mib(x)}" for k, x in terms.items() if k != top))
+        top, branch, terms = dominant_term(r4["model"])
+        v.add("Q9", "q9_dominant", "the largest term at W = 4, in the branch of the model that sets the peak",
+              f"{top}: {_mib(terms[top])}, in the {branch} branch (which sets the peak, "
+              f"{_mib(r4['model']['peak_bytes'])}); the branch's other terms: "
+              + ", ".join(f"{k} {_mib(x)}" for k, x in terms.items() if k != top))
+        v.conclude("Q9", "q9_b_conclusion", "(b)", f"{top} ({branch} branch); another term of that branch, or the "
+                   "other branch's, earns the part only when argued from the Models box")
 
     def diff(a: str, b: str, W: int, q: str, name: str) -> None:
         ra, rb = rows.get((a, W)), rows.get((b, W))
@@ -275,11 +355,12 @@ def values(results: Path) -> Values:
         sb = rb["peak_bytes_all_steps_per_rank"][rb["peak_bytes_per_rank"].index(rb["peak_bytes"])]
         lo, hi = min(sa) - max(sb), max(sa) - min(sb)
         model = ra["model"]["peak_bytes"] - rb["model"]["peak_bytes"]
-        verdict = "resolved" if lo > 0 or hi < 0 else "not resolved (the spreads overlap)"
+        verdict = resolved(lo, hi, 0.0, below="smaller", above="larger", point=ra["peak_bytes"] - rb["peak_bytes"])
         v.add(q, name, f"{a} minus {b}, peak at W = {W}: measured (range over steps), model",
-              f"{_mib(ra['peak_bytes'] - rb['peak_bytes'])} measured ({_mib(lo)} to {_mib(hi)}, {verdict}), model "
+              f"{_mib(ra['peak_bytes'] - rb['peak_bytes'])} measured ({_mib(lo)} to {_mib(hi)}), model "
               f"{_mib(model)} (U_p {_mib(ra['model']['unsharded_params_bytes'] - rb['model']['unsharded_params_bytes'])}, "
               f"U_g {_mib(ra['model']['unsharded_grads_bytes'] - rb['model']['unsharded_grads_bytes'])})")
+        v.conclude(q, name + "_conclusion", f"{a} minus {b} at W = {W}", verdict)
 
     diff("FSDP no-reshard", "FSDP", 4, "Q9", "q9_noreshard")
     diff("FSDP + prefetch", "FSDP", 4, "Q9", "q9_prefetch")
@@ -289,14 +370,6 @@ def values(results: Path) -> Values:
     else:
         v.add("Q9", "q9_blk", "one block unit", "n/a")
 
-    # Q8: the tied weight
-    if gpt:
-        tied = gpt["vocab_size"] * gpt["n_embd"]
-        v.add("Q8", "q8_tied", "vocab x n_embd", f"{gpt['vocab_size']} x {gpt['n_embd']} = {tied:,} elements")
-        v.add("Q8", "q8_saved", "saved at W = 2: elements per rank per step, model-state bytes per rank",
-              f"3 x {tied:,} x 1/2 = {3 * tied // 2:,} elements per rank per step, and 16 x {tied:,} / 2 = "
-              f"{_mib(8 * tied)} of model states per rank")
-
     # Q10: the script's fits
     psi_root, psi = root_params(gpt) if gpt else (None, None)
     blk = (psi - psi_root) // gpt["n_layer"] if gpt else None
@@ -305,27 +378,41 @@ def values(results: Path) -> Values:
         f = fit_of(comm, W)
         if not f:
             v.add("Q10", f"q10_fit_w{W}", f"all-gather fit at W = {W}", "n/a (comm.json: no fit)")
+            v.conclude("Q10", f"q10_c_w{W}", f"(c) at W = {W}", "no fit at this W: the part is not answerable")
             continue
-        beta = f["beta_bytes_per_s"]
-        ok_beta = isinstance(beta, float) and math.isfinite(beta) and beta > 0
-        alpha_use = f["alpha_s"] if f["alpha_resolved"] and f["alpha_s"] > 0 else None
-        if alpha_use and ok_beta:
-            half = f"N_1/2 = W alpha beta / b = {W * alpha_use * beta / 4:,.0f} elements"
-        elif ok_beta:
-            half = (f"alpha not resolved: N_1/2 < W alpha_bound beta / b = {W * f['alpha_bound_s'] * beta / 4:,.0f} "
-                    f"elements (alpha_bound = {f['alpha_bound_s'] * 1e6:.0f} us)")
+        alpha, beta = fit_usable(f)
+        interval = n_half_interval(f, W)
+        if beta is None:
+            half = "no N_1/2: the fitted slope is <= 0 (beta n/a)"
+        elif alpha is not None:
+            half = (f"N_1/2 = W alpha beta / b = {W * alpha * beta / 4:,.0f} elements, ± 2 SE range "
+                    f"{interval[0]:,.0f} to {interval[1]:,.0f}")
         else:
-            half = "n/a (beta not positive)"
+            half = (f"alpha not resolved{' (<= 0)' if f['alpha_s'] <= 0 else ''}: N_1/2 < W alpha_bound beta / b = "
+                    f"{interval[1]:,.0f} elements (alpha_bound = {f['alpha_bound_s'] * 1e6:.0f} us), no lower bound")
         v.add("Q10", f"q10_fit_w{W}", f"all-gather fit at W = {W}",
               f"alpha = {f['alpha_s'] * 1e6:.0f} ± {2 * f['alpha_se_s'] * 1e6:.0f} us "
-              f"({'resolved' if f['alpha_resolved'] else 'not resolved'}), beta = {_g(beta / 1e9)} GB/s "
-              f"± {_g(2 * f['beta_rel_se'] * beta / 1e9, 2)}; {half}; largest relative error of the fit "
-              f"{100 * f['max_rel_error']:.0f}%")
-        coll = [c for c in comm.get("collectives") or [] if c.get("kind") == "all_gather" and c.get("world_size") == W]
+              f"({'resolved' if f['alpha_resolved'] else 'not resolved'}), beta = "
+              + (f"{_g(beta / 1e9)} GB/s ± {_g(2 * f['beta_rel_se'] * beta / 1e9, 2)}" if beta else "n/a (slope <= 0)")
+              + f"; {half}; largest relative error of the fit {100 * f['max_rel_error']:.0f}%")
+        if blk:
+            v.conclude("Q10", f"q10_c_w{W}", f"(c) at W = {W}, Psi_blk = {blk:,} against N_1/2",
+                       latency_or_bandwidth(blk, interval, alpha, beta, W))
+        coll = [c for c in comm.get("collectives") or [] if c.get("world_size") == W and c.get("kind") == "all_gather"]
         if coll:
-            best = max(coll, key=lambda c: c.get("busbw_gbps", 0))
-            v.add("Q10", f"q10_best_w{W}", f"highest all-gather bus bandwidth at W = {W}",
-                  f"{best['busbw_gbps']:.3g} GB/s at {best['size']:,} bytes")
+            ag = max(coll, key=lambda c: c.get("busbw_gbps", 0))
+            v.add("Q10", f"q10_best_w{W}", f"highest all-gather bus bandwidth in the collectives table at W = {W}",
+                  f"{ag['busbw_gbps']:.3g} GB/s at {ag['size']:,} bytes")
+            if beta is None:
+                verdict = "no beta to compare (slope <= 0): say so"
+            else:
+                lo, hi = beta_range(f, beta)
+                x = ag["busbw_gbps"] * 1e9
+                verdict = (f"the all-gather's highest busbw {ag['busbw_gbps']:.3g} GB/s is "
+                           + ("inside" if lo <= x <= hi else "outside")
+                           + f" beta's ± 2 SE range ({_g(max(lo, 0) / 1e9)} to {_g(hi / 1e9)} GB/s): "
+                           + ("they agree" if lo <= x <= hi else "they do not agree: the answer says so and why"))
+            v.conclude("Q10", f"q10_d_w{W}", f"(d) at W = {W}", verdict)
 
     # Q11 and Q13: step ratios (median, min-max over rounds) and exposed communication
     for r in step.get("ratios") or []:
@@ -336,24 +423,32 @@ def values(results: Path) -> Values:
             continue
         ic = "sim" if str(r.get("interconnect")).startswith("simulated") else "real"
         lo, hi = min(r["per_round"]), max(r["per_round"])
-        v.add("Q11" if key == "q11_ratio" else "Q13", f"{key}_{ic}_w{r['world_size']}",
-              f"{label}, W = {r['world_size']}, {r.get('interconnect')}",
-              f"{r['median']:.2f} ({lo:.2f} to {hi:.2f} over {len(r['per_round'])} rounds): {resolved(lo, hi)}")
+        q = "Q11" if key == "q11_ratio" else "Q13"
+        v.add(q, f"{key}_{ic}_w{r['world_size']}", f"{label}, W = {r['world_size']}, {r.get('interconnect')}",
+              f"{r['median']:.2f} ({lo:.2f} to {hi:.2f} over {len(r['per_round'])} rounds)")
+        v.conclude(q, f"{key}_{ic}_w{r['world_size']}_conclusion",
+                   f"{'(a)' if q == 'Q11' else '(b)'} {r.get('interconnect')}, W = {r['world_size']}",
+                   resolved(lo, hi, point=r["median"]))
     for r in step.get("results") or []:
         if r.get("strategy") in ("FSDP", "FSDP + prefetch") and isinstance(r.get("exposed"), list) and r["exposed"]:
             ex = [e for e in r["exposed"] if e.get("exposed_comm_fraction") is not None]
             if not ex:
                 continue
+            # the median over ranks as the table prints it (statistics.median: with an even number of ranks, the
+            # mean of the two middle ones)
             fr = sorted(e["exposed_comm_fraction"] for e in ex)
             prof = sorted(e.get("profiled_step_ms") or e["exposed_comm_ms"] / e["exposed_comm_fraction"] for e in ex)
             ic = "sim" if str(r.get("interconnect")).startswith("simulated") else "real"
             name = "q11_exposed_" + ("pf_" if "prefetch" in r["strategy"] else "nopf_") + f"{ic}_w{r['world_size']}"
             v.add("Q11", name, f"{r['strategy']}, W = {r['world_size']}, {r['interconnect']}: exposed share of the "
                   "profiled step (min-max over ranks); profiled vs timed step",
-                  f"{fr[len(fr) // 2]:.2f} ({fr[0]:.2f} to {fr[-1]:.2f}); profiled step {prof[len(prof) // 2]:.0f} ms "
-                  f"against the timed {r['step_s'] * 1e3:.0f} ms")
-        if r.get("strategy") == "FSDP + prefetch" and r.get("vs_one_process") and str(r.get("interconnect")).startswith("gloo"):
-            v.add("Q11", f"q11_vs_one_w{r['world_size']}", f"FSDP + prefetch vs one process, W = {r['world_size']}",
+                  f"{statistics.median(fr):.2f} ({fr[0]:.2f} to {fr[-1]:.2f}); profiled step "
+                  f"{statistics.median(prof):.0f} ms (median over ranks; {prof[0]:.0f} to {prof[-1]:.0f}) against the "
+                  f"timed {r['step_s'] * 1e3:.0f} ms")
+        if r.get("strategy") == "FSDP + prefetch" and r.get("vs_one_process"):
+            ic = "sim" if str(r.get("interconnect")).startswith("simulated") else "real"
+            v.add("Q11", f"q11_vs_one_{ic}_w{r['world_size']}",
+                  f"FSDP + prefetch vs one process, W = {r['world_size']}, {r.get('interconnect')}",
                   f"{r['vs_one_process']:.2f}x")
 
     # Q13: collectives per step
@@ -369,29 +464,69 @@ def values(results: Path) -> Values:
                        f"{3 * (n1 - n2) * f['alpha_bound_s'] * 1e3:.2f} ms per step")
         v.add("Q13", "q13_colls", "collectives per step, 1 and 2 blocks per unit",
               f"3 x {n1} = {3 * n1} and 3 x {n2} = {3 * n2}{lat}")
+        if f:
+            v.conclude("Q13", "q13_c_conclusion", "(c)",
+                       "a saving of 3 (n_units1 - n_units2) alpha" if f["alpha_resolved"] and f["alpha_s"] > 0 else
+                       "alpha not resolved (or <= 0): only the upper bound on the saving (alpha_bound); a saving "
+                       "computed from the unresolved alpha as a value loses the part")
 
-    # Q14: W*
+    # Q14: W*, its range over the fit's ± 2 SE, and the efficiency the model predicts at W = 2
     base = next((r for r in scaling.get("results") or [] if r.get("scaling") == "weak" and r.get("strategy") == "FSDP"
                  and r.get("world_size") == 1), None)
+    weak = {r["world_size"]: r for r in scaling.get("results") or [] if r.get("scaling") == "weak" and r.get("strategy") == "FSDP"}
+    v.add("Q14", "q14_weak_eff", "weak-scaling FSDP efficiency at W = 2, 4 (min-max over the slowest rank's steps)",
+          ", ".join(f"W = {w}: {_g(weak[w].get('efficiency'))}" + (
+              f" ({_g(weak[w]['efficiency_range'][0])} to {_g(weak[w]['efficiency_range'][1])})"
+              if weak[w].get("efficiency_range") else "") for w in (2, 4) if w in weak) or "n/a")
     f = fit_of(comm, 2)
     if base and f and gpt:
-        units = gpt["n_layer"] + 1
-        alpha = f["alpha_s"] if f["alpha_resolved"] and f["alpha_s"] > 0 else 0.0
-        beta = f["beta_bytes_per_s"]
-        if isinstance(beta, float) and math.isfinite(beta) and beta > 0:
-            w_star = crossover_w(alpha, beta, base["step_s"], base["psi_params"], units)
-            rule = "" if alpha else f" (alpha {f['alpha_s'] * 1e6:.0f} us not resolved: alpha = 0, the Models box's rule)"
-            v.add("Q14", "q14_wstar", "a, c, T_comp and W* from the W = 2 all-gather fit",
-                  f"n_units = {units}, a = {3 * units * alpha * 1e3:.2f} ms{rule}, c = "
-                  f"{3 * base['psi_params'] * 4 / beta * 1e3:.0f} ms, T_comp = {base['step_s'] * 1e3:.0f} ms, W* = "
-                  + (f"{w_star:.2f}" if w_star is not None else "none (c <= T_comp: communication never limits)"))
+        units, t_comp, psi_s = gpt["n_layer"] + 1, base["step_s"], base["psi_params"]
+        alpha, beta = fit_usable(f)
+        if beta is None:
+            v.add("Q14", "q14_wstar", "W*", "n/a: beta n/a (the W = 2 fit's slope is <= 0)")
+            v.conclude("Q14", "q14_c_conclusion", "(c)", "no W*: the fit has no beta (slope <= 0); say so: full marks")
+            v.conclude("Q14", "q14_d_conclusion", "(d)", "undecided on this machine: no W* to compare with; say so")
         else:
-            v.add("Q14", "q14_wstar", "W*", "n/a (beta not positive)")
+            a_lo, a_hi = ((max(alpha - 2 * f["alpha_se_s"], 0.0), alpha + 2 * f["alpha_se_s"]) if alpha is not None
+                          else (0.0, max(f["alpha_bound_s"], 0.0)))
+            b_lo, b_hi = beta_range(f, beta)
+
+            def w_star(al, be):  # None: communication never limits
+                ws = crossover_w(al, be, t_comp, psi_s, units)
+                return math.inf if ws is None else ws
+
+            def eff2(al, be):  # the model's weak-scaling efficiency at W = 2 under perfect overlap
+                if be <= 0:
+                    return 0.0
+                t_comm = (3 * units * al + 3 * psi_s * 4 / be / 2)
+                return t_comp / max(t_comp, t_comm)
+
+            point = w_star(alpha or 0.0, beta)
+            lo, hi = w_star(a_hi, b_lo), w_star(a_lo, b_hi)
+            rule = "" if alpha else (f" (alpha {f['alpha_s'] * 1e6:.0f} us not resolved{' and <= 0' if f['alpha_s'] <= 0 else ''}: "
+                                     "alpha = 0 for the value, alpha_bound for the range: the Models box's rule)")
+            v.add("Q14", "q14_wstar", "a, c, T_comp, W* and its range over the fit's ± 2 SE, from the W = 2 all-gather fit",
+                  f"n_units = {units}, a = {3 * units * (alpha or 0.0) * 1e3:.2f} ms{rule}, c = "
+                  f"{3 * psi_s * 4 / beta * 1e3:.0f} ms, T_comp = {t_comp * 1e3:.0f} ms, W* = "
+                  + (f"{point:.2f}" if math.isfinite(point) else "none (c <= T_comp: communication never limits)")
+                  + f", range {lo:.2f} to " + (f"{hi:.2f}" if math.isfinite(hi) else "none (never)"))
+            v.conclude("Q14", "q14_c_conclusion", "(c) W = 2 against W*",
+                       resolved(lo, hi, 2.0, below="W* below 2: communication limits the step at W = 2",
+                                above="W* above 2: compute limits the step at W = 2", point=point))
+            e_lo, e_hi = eff2(a_hi, b_lo), eff2(a_lo, b_hi)
+            m = weak.get(2)
+            if m:
+                m_lo, m_hi = m.get("efficiency_range") or (m["efficiency"], m["efficiency"])
+                agree = m_hi >= e_lo and m_lo <= e_hi
+                v.conclude("Q14", "q14_d_conclusion", "(d) at W = 2",
+                           f"the model predicts an efficiency of {e_lo:.2f} to {e_hi:.2f} (perfect overlap, the fit's "
+                           f"± 2 SE); measured {m['efficiency']:.2f} ({m_lo:.2f} to {m_hi:.2f}): "
+                           + ("they agree (the ranges overlap)" if agree else
+                              "they do not agree (the ranges are apart): the answer names what else limits the step "
+                              "(cores shared by the ranks, latency, overlap that is not perfect)"))
     else:
         v.add("Q14", "q14_wstar", "W*", "n/a (scaling.json or comm.json missing)")
-    weak = {r["world_size"]: r for r in scaling.get("results") or [] if r.get("scaling") == "weak" and r.get("strategy") == "FSDP"}
-    v.add("Q14", "q14_weak_eff", "weak-scaling FSDP efficiency at W = 2, 4",
-          ", ".join(f"W = {w}: {_g(weak[w].get('efficiency'))}" for w in (2, 4) if w in weak) or "n/a")
+        v.conclude("Q14", "q14_c_conclusion", "(c)", "not answerable from these results (no W = 2 fit or no scaling)")
 
     # Q15: the scenario
     sc = SCENARIO
@@ -434,9 +569,9 @@ def bands(results: Path) -> list[str]:
             out.append(f"| FSDP peak / one process, W = {W} | {r['peak_bytes'] / one['peak_bytes']:.2f} | below "
                        f"{1 / W + 0.25:.2f} |")
     errs = [abs(r["model_error"]) for r in mem.get("results") or [] if r.get("model_error") is not None
-            and str(r.get("strategy", "")).startswith("FSDP")]
-    if errs:
-        out.append(f"| FSDP rows' model error, largest | {100 * max(errs):.1f}% | within 20% |")
+            and students_row(str(r.get("strategy", "")))]
+    if errs:  # the student's own FSDP rows: torch's FSDP2 row is not theirs to explain
+        out.append(f"| FSDP rows' model error (yours, FSDP2 apart), largest | {100 * max(errs):.1f}% | within 20% |")
     ratios = [r["ratio"] for r in comm.get("bytes_per_step") or [] if r.get("strategy", "").startswith("FSDP")
               and "FSDP2" not in r.get("strategy", "") and r.get("ratio") is not None]
     if ratios:
@@ -445,7 +580,7 @@ def bands(results: Path) -> list[str]:
         if r.get("comparison", "").startswith("FSDP + prefetch / FSDP step") and r.get("per_round"):
             out.append(f"| prefetch / no prefetch step time, {r.get('interconnect')}, W = {r.get('world_size')} | "
                        f"{r['median']:.2f} ({min(r['per_round']):.2f} to {max(r['per_round']):.2f}) | "
-                       f"below 1, or an interval containing 1 (not resolved) |")
+                       f"below 1, or an interval containing 1 (undecided at this precision) |")
     return out
 
 
@@ -488,8 +623,43 @@ def render_key(source: str, v: Values, strict: bool = True) -> str:
     return PLACEHOLDER.sub(lambda m: flat.get(m.group(1), "n/a (not in this run)"), source)
 
 
+# What decides the questions that compare no measured interval with a threshold (the key grades them from the
+# student's code, picture or arithmetic).
+NO_THRESHOLD = {"Q1": "no threshold: the student's own design (the key lists what a full answer contains)",
+                "Q2": "no threshold: exact numbers (padding), the same for every student",
+                "Q3": "no threshold: the student's own design (the key lists what a full answer contains)",
+                "Q4": "no threshold: formulas",
+                "Q5": "no threshold: exact bytes (ring formula) and a numeric example",
+                "Q6": "no threshold: exact bytes (optim = 8 S)",
+                "Q7": "no threshold: the student's own design and exact bytes",
+                "Q8": "no threshold: the student's own design and exact counts",
+                "Q12": "no threshold: read from the student's picture (the key's list)",
+                "Q15": "no threshold: the scenario's arithmetic (the key's numbers)"}
+
+
+def expected_answers(folder: Path) -> str:
+    """The TA's calculator (--from): per question, the quantities computed from this results folder, then the
+    conclusion each threshold part's rule gives on them (Models box item 4: a straddling interval is "undecided at
+    this precision"; alpha unresolved or <= 0: alpha = 0 and alpha_bound; beta <= 0: no beta, no N_1/2, no W*)."""
+    sys.path.insert(0, str(ROOT))
+    from tests.points import WRITEUP_QUESTION_POINTS
+
+    v = values(folder)
+    out = [f"Expected answers from {folder} (computed from this student's JSON; a conclusion is what the question's "
+           "rule gives on these numbers):", ""]
+    for q in WRITEUP_QUESTION_POINTS:
+        out.append(q)
+        out += [f"  {what}: {value}" for _, what, value in v.by_q.get(q, []) if not what.startswith("expected conclusion")]
+        concl = v.conclusions.get(q)
+        if concl:
+            out += [f"  EXPECTED CONCLUSION {part}: {text}" for part, text in concl]
+        else:
+            out.append(f"  EXPECTED CONCLUSION: {NO_THRESHOLD.get(q, 'no threshold')}")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(description=__doc__.split("\n\nANSWER_KEY.md")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--from", dest="source", type=Path, help="print the expected answers of this results folder")
@@ -498,12 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.source:
         folder = args.source / "results" if (args.source / "results" / "memory.json").exists() else args.source
-        v = values(folder)
-        print(f"Expected answers from {folder} (the numbers the key quotes, computed from this student's JSON):\n")
-        for q, items in v.by_q.items():
-            print(f"{q}")
-            for _, what, value in items:
-                print(f"  {what}: {value}")
+        print(expected_answers(folder))
         return 0
     if args.quick:
         tmp = Path(tempfile.mkdtemp(prefix="answer-key-quick-"))

@@ -1,0 +1,44 @@
+"""The handout's writeup time is the count in staff/writeup_time.md (issue 31), recomputed from its table.
+
+Fast: reads two text files.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.staff
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTES = ROOT / "staff" / "writeup_time.md"
+ONCE_MIN = 25  # the Models box and the template's instructions, read once (the notes' Method)
+
+
+def totals() -> dict[str, float]:
+    text = NOTES.read_text(encoding="utf-8")
+    rates_line = re.search(r"Rates \(minutes\), low / central / high: (.*?)\n\n", text, re.S).group(1)
+    rates = [[float(x) for x in m.split(" / ")] for m in re.findall(r"(\d+(?:\.\d+)? / \d+(?:\.\d+)? / \d+(?:\.\d+)?)", rates_line)]
+    assert len(rates) == 6, rates_line  # reading factor, artefact, read number, derived number, part, design part
+    rows = [list(map(int, r)) for r in re.findall(r"^\| (?:Q\d+|tables) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$",
+                                                  text, re.M)]
+    assert len(rows) == 16, len(rows)  # 15 questions and the tables
+    out = {}
+    for i, level in enumerate(("low", "central", "high")):
+        out[level] = ONCE_MIN + sum(sum(c * rate[i] for c, rate in zip(row, rates)) for row in rows)
+    return out
+
+
+def test_the_handout_quotes_the_counted_writeup_time():
+    t = totals()
+    data = (ROOT / "handout" / "data.typ").read_text(encoding="utf-8")
+    hours = re.search(r'#let writeup-hours = "(\d+)-(\d+)"', data)
+    central = re.search(r'#let writeup-hours-central = "(\d+)"', data)
+    assert hours and central, "handout/data.typ lost writeup-hours or writeup-hours-central"
+    assert (int(hours.group(1)), int(hours.group(2))) == (round(t["low"] / 60), round(t["high"] / 60)), (hours.groups(), t)
+    assert int(central.group(1)) == round(t["central"] / 60), (central.group(1), t)
+    notes = NOTES.read_text(encoding="utf-8")
+    for level in ("low", "central", "high"):
+        assert f"{level} {t[level]:.0f} min ({t[level] / 60:.1f} h)" in notes, f"the notes' {level} total is not the table's"
