@@ -57,6 +57,8 @@ The protocol, step by step:
    and the bytes it wrote (``wchar`` in /proc/<pid>/io, which counts gloo's socket writes: gloo's threads are
    the rank's own). The rank says when its body starts (an empty frame on its pipe) and, after its report,
    waits for the parent's last reading before it exits. Whatever the rank's own counters say, these decide.
+   A witnessed run that fails in any other way is read to its end too (a rank that reported an error waits for
+   the reading; a live rank is read before the kill), and its bounds are checked: evidence fails closed.
 
 Compare results in the test (the pytest process), not inside the body, when the comparison is what is graded:
 a rank runs student code, which could patch torch's comparison functions in its own process.
@@ -192,9 +194,10 @@ class Witness:
         self.peak_bytes, self.sent_bytes, self.deferred = peak_bytes, sent_bytes, deferred
         self.measured: list[dict] = []
 
-    def check(self, reported: str = "") -> None:
+    def check(self, reported: str = "", run_failure: str = "") -> None:
         """Raise RankFailure (kind "witness") when a rank broke a bound; ``reported``: how the test's own checks
-        of the ranks' reports failed, if they did (added to the message)."""
+        of the ranks' reports failed, if they did; ``run_failure``: how the run itself failed (run_ranks passes
+        it): each is added to the message."""
         __tracebackhide__ = True
         problems = []
         for m in self.measured:
@@ -225,7 +228,8 @@ class Witness:
             raise RankFailure(
                 "the kernel's witness disagrees with this run: " + "; ".join(problems) + ". The kernel's counts "
                 "decide: whatever the rank's own counters, monitor or memory tracker reported, they cannot overrule "
-                "them." + (f"\n\nWhat the ranks reported failed the test's checks too:\n{reported}" if reported else ""),
+                "them." + (f"\n\nWhat the ranks reported failed the test's checks too:\n{reported}" if reported else "")
+                + (f"\n\nThe run failed as well:\n{run_failure}" if run_failure else ""),
                 kind="witness", rank=int(problems[0].split(":")[0].split()[1]))
 
 
@@ -308,9 +312,11 @@ class _KernelSamples:
         self.started = True
         self.start_rss = _read_status(self.pid).get("VmRSS", 0)
 
-    def figures(self, r: "_Rank") -> dict:
+    def figures(self, r: "_Rank", run_failed: bool = False) -> dict:
         error = ""
-        if not self.started:
+        if not self.started and run_failed:
+            pass  # the run failed before this rank's body began: no student code ran in it, nothing to witness
+        elif not self.started:
             error = "the parent never saw its body start (the harness's 'body starts' frame did not arrive)"
         elif self.unreadable and not self.final:
             error = self.unreadable
@@ -435,7 +441,10 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
         failure = _collect(ranks, deadline=time.monotonic() + timeout, timeout=timeout,
                            memory_limit_bytes=memory_limit_bytes)
         if witness is not None:
-            witness.measured = [r.kernel.figures(r) for r in ranks]
+            for r in ranks:  # a failed run is read to its end too: every rank still alive, once more, before the kill
+                if not r.kernel.final:
+                    r.kernel.sample(final=True)
+            witness.measured = [r.kernel.figures(r, run_failed=failure is not None) for r in ranks]
     finally:
         # Whatever happened (a failure, a KeyboardInterrupt, pytest-timeout), nothing outlives the run.
         _kill_all(ranks)
@@ -449,6 +458,11 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
                 r.ack.close()
         _remove_tree(run_dir)
     if failure is not None:
+        if witness is not None:
+            # Evidence fails closed: a witnessed run that fails any other way (a rank raised, exited, hung) is still
+            # judged by what the kernel saw of it, and a broken bound, or counters that could not be read, is a
+            # "witness" failure (the grader then refutes the ranks' reports of that property) carrying this one.
+            witness.check(run_failure=str(failure))
         raise failure
     if witness is not None and not witness.deferred:
         witness.check()
@@ -585,8 +599,8 @@ def _read_report(r: _Rank) -> None:
                 if r.report is None:
                     r.status, r.bad = "bad-message", "sent a report the parent cannot read"
                     return
-                if r.kernel is not None and r.report.get("kind") == "result":
-                    r.kernel.sample(final=True)  # the rank waits for this before it exits (see _rank_main)
+                if r.kernel is not None:  # a result or an error: the rank waits for this before it exits
+                    r.kernel.sample(final=True)
                     try:
                         os.write(r.ack.fileno(), b"\0")
                     except OSError:
@@ -882,8 +896,10 @@ def _rank_main(config: dict, conn, lifeline, ack=None) -> None:
         code = 0 if message["kind"] == "result" else 1
     sys.stdout.flush()
     sys.stderr.flush()
-    if ack is not None and code == 0:
-        try:  # the parent reads our kernel counters one last time, then lets us go (a byte, or EOF)
+    if ack is not None and code in (0, 1):
+        # After a result or an error report alike (a witnessed run that fails is read to its end too: evidence
+        # fails closed), the parent reads our kernel counters one last time, then lets us go (a byte, or EOF).
+        try:
             os.read(ack.fileno(), 1)
         except OSError:
             pass

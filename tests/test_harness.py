@@ -529,6 +529,27 @@ def _peak_then_free(rank, world_size, nbytes, reset):
     return 0
 
 
+def _peak_then_raise(rank, world_size, nbytes):
+    t = torch.ones(nbytes // 4)
+    time.sleep(0.05)
+    raise ZeroDivisionError(f"rank {rank} gives up holding {t.numel()} elements")
+
+
+def test_a_witnessed_run_that_fails_is_still_judged_by_the_kernel():
+    # Evidence fails closed: a rank that raises in a witnessed run (as a submission might, only there) is still
+    # read to its end; a broken bound is then the kernel's failure (kind "witness", which the grader carries to
+    # the tests that decide memory from the ranks' reports), with the rank's own failure in its message.
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_peak_then_raise, 1, 96 << 20, witness=Witness(peak_bytes=32 << 20, deferred=True))
+    message = str(info.value)
+    assert info.value.kind == "witness" and "resident memory rise" in message, message
+    assert "The run failed as well" in message and "ZeroDivisionError" in message, message
+    # Within its bound the run's own failure stands, as it is.
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_peak_then_raise, 1, 1 << 20, witness=Witness(peak_bytes=32 << 20, deferred=True))
+    assert info.value.kind == "raised" and "ZeroDivisionError" in str(info.value), str(info.value)
+
+
 def test_witness_sees_the_peak_of_memory_the_rank_freed_and_a_reset_of_it():
     witness = Witness(peak_bytes=32 << 20, deferred=True)
     run_ranks(_peak_then_free, 1, 96 << 20, False, witness=witness)

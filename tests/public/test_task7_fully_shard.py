@@ -153,10 +153,10 @@ def check_memory_states(results: list[dict], witness: Witness) -> None:
     """What the ranks reported, then what the kernel saw of them (tests/staff/test_witness.py reuses it)."""
     try:
         _check_reported_states(results)
-    except AssertionError as reported:
+    except Exception as reported:  # an assertion, or reports too broken to check (a key missing): either way
         # The kernel is asked either way: what it saw decides, and a failure it finds refutes the ranks' reports
         # of memory or bytes for the whole run (the handout's "kernel witness"), however they failed here.
-        witness.check(reported=str(reported))
+        witness.check(reported=f"{type(reported).__name__}: {reported}")
         raise
     # What the ranks reported passed; now what the kernel saw of them (peak resident memory, bytes written),
     # which a rank cannot rewrite. When the two disagree, the kernel decides.
