@@ -6,6 +6,8 @@
                         student_limits.py (all of the rank user's memory), cleanup.py (what a test leaves)
     grade.py            the grading command; also Gradescope's entry point (run_autograder calls it)
     sanitize.py         every line the grader prints and every output in results.json
+    review.py           the staff review: lines of a submission that reach into the grader or around the process
+                        group (results.json's extra_data, the log; a command over a folder of submissions)
     build_bundle.py     builds the Gradescope zip: setup.sh, run_autograder, the staff tree with the stubs and
                         the public and hidden tests; refuses to build if any of the reference is inside
     results_schema.py   checks a results.json against Gradescope's format (CI)

@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (ROOT / "staff" / "autograder", ROOT / "staff" / "grader_selftest")
 # The packages' commands (python -m MODULE from the repository root): --help shows the docstring's usage lines.
-COMMANDS = ("staff.autograder.grade", "staff.autograder.build_bundle", "staff.grader_selftest.zoo",
+COMMANDS = ("staff.autograder.grade", "staff.autograder.build_bundle", "staff.autograder.review",
+            "staff.grader_selftest.zoo",
             "staff.grader_selftest.mutations", "staff.grader_selftest.lies", "staff.grader_selftest.measure_times",
             "staff.grader_selftest.machine_mutants", "staff.grader_selftest.machine_mutants_report")
 

@@ -1,0 +1,145 @@
+"""The staff review (staff/autograder/review.py, issue 32): code that reaches into the grader's machinery or around
+the process group is listed for a person, with file and line; a correct submission flags nothing; the student never
+sees the list. Static (``ast``), no grading run: about a second."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from staff.autograder import grade, results_schema, review
+from staff.grader_selftest.mutant_grading import reference_student_files
+
+pytestmark = pytest.mark.staff
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Each case: a small task file, and the (line, kind) it must flag. Line 1 of every source is "import torch".
+CASES = {
+    "frame": ("import torch\nimport sys\n\ndef f():\n    return sys._getframe(1).f_locals\n", {(5, "frame")}),
+    "inspect": ("import torch\nimport inspect\n\ndef f():\n    return inspect.currentframe()\n", {(5, "frame")}),
+    "traceback frame": ("import torch\n\ndef f(tb):\n    return tb.tb_frame.f_back\n", {(4, "frame")}),
+    "settrace": ("import torch\nimport sys\nsys.settrace(None)\n", {(3, "frame")}),
+    "gc": ("import torch\nimport gc\n\ndef f():\n    return [o for o in gc.get_objects()]\n", {(5, "gc")}),
+    "gc imported": ("import torch\nfrom gc import get_referrers\n", {(2, "gc")}),
+    "ctypes": ("import torch\nimport ctypes\n", {(2, "ctypes")}),
+    "mmap": ("import torch\nimport mmap as m\n", {(2, "mmap")}),
+    "memfd": ("import torch\nimport os\nfd = os.memfd_create('x')\n", {(3, "mmap")}),
+    "shared_memory": ("import torch\nfrom multiprocessing import shared_memory\n", {(2, "process"), (2, "mmap")}),
+    "/proc": ("import torch\n\ndef f(pid):\n    return open(f'/proc/{pid}/mem', 'rb')\n", {(4, "path")}),
+    "/dev/shm": ("import torch\nPATH = '/dev/shm/x'\n", {(2, "path")}),
+    "patch dist": ("import torch\nimport torch.distributed as dist\n\ndef f():\n    dist.all_reduce = print\n",
+                   {(5, "patch")}),
+    "patch torch.distributed": ("import torch\n\ndef f(g):\n    torch.distributed.all_gather = g\n", {(4, "patch")}),
+    "patch a class of torch": ("import torch\ntorch.Tensor.__eq__ = lambda a, b: True\n", {(2, "patch")}),
+    "patch via from-import": ("import torch\nfrom torch import distributed\ndistributed.barrier = None\n",
+                              {(3, "patch")}),
+    "setattr on a module": ("import torch\nimport torch.nn as nn\nsetattr(nn.Module, '__call__', None)\n",
+                            {(3, "patch")}),
+    "del on a module": ("import torch\ndel torch.allclose\n", {(2, "patch")}),
+    "vars of a module": ("import torch\nimport torch.distributed as dist\nvars(dist)['all_reduce'] = print\n",
+                         {(3, "patch")}),
+    "builtins": ("import torch\nimport builtins\nbuiltins.print = None\n", {(2, "patch"), (3, "patch")}),
+    "harness patched": ("import torch\nimport tests.harness as h\nh.run_ranks = None\n",
+                        {(2, "harness"), (3, "patch")}),
+    "harness imported": ("import torch\nfrom tests.public.collectives import CountedProcessGroup\n",
+                         {(2, "harness")}),
+    "sys.modules": ("import torch\nimport sys\nsys.modules['tests.harness'] = None\n", {(3, "sys.modules")}),
+    "signal": ("import torch\nimport signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n", {(2, "signal")}),
+    "kill the parent": ("import torch\nimport os\nos.kill(os.getppid(), 9)\n", {(3, "signal")}),
+    "fork": ("import torch\nimport os\n\ndef f():\n    if os.fork() == 0:\n        pass\n", {(5, "process")}),
+    "subprocess": ("import torch\nimport subprocess\n", {(2, "process")}),
+    "exec": ("import torch\n\ndef f(code):\n    exec(code)\n", {(4, "dynamic")}),
+    "importlib": ("import torch\nimport importlib\n", {(2, "dynamic")}),
+    "socket": ("import torch\nimport socket\n", {(2, "socket")}),
+    "environment": ("import torch\nimport os\nos.environ['FSDP_IMPL'] = 'reference'\n", {(3, "environment")}),
+    "rlimits": ("import torch\nimport resource\n", {(2, "resource")}),
+    "unparsable": ("import torch\ndef f(:\n", {(2, "unreadable")}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_case_is_flagged_with_its_line(case):
+    source, expected = CASES[case]
+    got = {(f["line"], f["kind"]) for f in review.review_source(source)}
+    assert got == expected, f"{case}: flagged {got}, expected {expected}"
+
+
+def test_what_a_correct_implementation_does_is_not_flagged():
+    """Attributes set on the model's modules, a function's own names that shadow a module, setattr on a
+    submodule, torch's collectives called, weakref and threads: none of it reaches into the grader."""
+    source = textwrap.dedent("""\
+        import threading
+        import weakref
+
+        import torch
+        import torch.distributed as dist
+        import torch.nn as nn
+        from torch.distributed import all_gather_into_tensor
+
+        def f(module, dist_group, sub, attr, views):
+            module.forward = lambda x: x
+            setattr(sub, attr, views[attr])
+            dist.all_reduce(torch.ones(1), group=dist_group)
+            all_gather_into_tensor(torch.ones(2), torch.ones(1))
+            nn.Module.register_forward_pre_hook
+
+        def g(dist):
+            dist.x = 1  # a parameter named like the module: not the module
+
+        REF = weakref.WeakKeyDictionary()
+        LOCK = threading.Lock()
+    """)
+    assert review.review_source(source) == []
+
+
+def test_the_reference_and_the_staff_alternatives_flag_nothing():
+    files = reference_student_files()
+    alternatives = ROOT / "staff" / "alternatives" / "fsdp_assignment"
+    files.update({str(p.relative_to(ROOT)): p.read_text() for p in sorted(alternatives.glob("task*.py"))})
+    stubs = {rel: (ROOT / rel).read_text() for rel in grade.task_files(ROOT)}
+    assert review.review_files({**files, **{"stub/" + k: v for k, v in stubs.items()}}) == []
+
+
+def test_the_review_is_in_results_json_for_staff_only(tmp_path):
+    """grade.py adds the review to results.json where Gradescope stores it but shows nothing (extra_data), and
+    nowhere a student reads (the top-level output, any test's output or name)."""
+    (tmp_path / "fsdp_assignment").mkdir()
+    (tmp_path / "fsdp_assignment" / "task3_forward.py").write_text("import torch\nimport ctypes\n")
+    (tmp_path / "fsdp_assignment" / "task1_meta_init.py").write_text("import torch\n")
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"score": 1.0, "execution_time": 1, "output": "table", "stdout_visibility": "hidden",
+                                   "tests": [{"name": "Task 3 public: t", "number": "3.1", "score": 1.0,
+                                              "max_score": 1.0, "status": "passed", "output": "ok",
+                                              "visibility": "visible"}]}))
+    grade.add_staff_review(tmp_path, results)
+    data = json.loads(results.read_text())
+    assert results_schema.validate(data) == []
+    flags = data["extra_data"]["staff_review"]["flags"]
+    assert [(f["file"], f["line"], f["kind"]) for f in flags] == [("fsdp_assignment/task3_forward.py", 2, "ctypes")]
+    shown = json.dumps({"output": data["output"], "tests": data["tests"]})
+    assert "ctypes" not in shown and "review" not in shown
+
+
+def test_the_staff_command_reviews_a_folder_of_submissions(tmp_path, capsys):
+    subs = tmp_path / "submissions"
+    (subs / "alice" / "fsdp_assignment").mkdir(parents=True)
+    (subs / "alice" / "fsdp_assignment" / "task5_optim_ckpt.py").write_text("import torch\n\nimport gc\n"
+                                                                            "x = gc.get_objects()\n")
+    with zipfile.ZipFile(subs / "bob.zip", "w") as zf:
+        zf.writestr("fsdp_assignment/task7_fully_shard.py", "import torch\nimport torch.distributed as d\n"
+                                                              "d.all_reduce = None\n")
+    with zipfile.ZipFile(subs / "carol.zip", "w") as zf:
+        zf.writestr("fsdp_assignment/task7_fully_shard.py", "import torch\n")
+    out_json = tmp_path / "review.json"
+    assert review.main([str(subs), "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    assert {k: [(f["file"], f["line"], f["kind"]) for f in v] for k, v in report.items()} == {
+        "alice": [("fsdp_assignment/task5_optim_ckpt.py", 4, "gc")],
+        "bob.zip": [("fsdp_assignment/task7_fully_shard.py", 3, "patch")],
+        "carol.zip": []}
+    assert "bob.zip: 1 flag(s)" in capsys.readouterr().out
