@@ -15,8 +15,8 @@ observe, for every unit and every ``loss.backward()``:
   nested units, also the units it is nested in; Task 6's prefetching adds one); the root may stay unsharded
   until the backward ends;
 - a unit is resharded as soon as its own backward is done, frozen parameters included, and a unit whose forward
-  inputs (positional or keyword) carry a gradient has issued its reduce-scatter by then: when the model's input
-  requires grad, every reduce-scatter is issued before autograd computes that input's gradient;
+  inputs (positional or keyword) carry a gradient has issued its reduce-scatter by then: while the backward pass
+  runs, not after autograd's last operation of it;
 - collectives: a backward all-gathers again exactly the units that were resharded after forward, each once (the
   root once or not at all), and reduce-scatters each trainable FlatParameter's padded full gradient once (in
   ``reduce_dtype`` when set); nothing else, no all-reduce. Every rank issues the same collectives in the same
