@@ -11,8 +11,8 @@ issued relative to every module's forward and backward:
 
 - results are bitwise identical with prefetching on or off, with collectives that finish late (an asynchronous
   result reads as NaN until its handle is waited on);
-- forward: each unit's all-gather is asynchronous (``async_op=True``) and issued before the forward computation
-  of the unit that ran before it in the previous forward begins;
+- forward: each unit's all-gather but the first one's (the root's) is asynchronous (``async_op=True``) and
+  issued before the forward computation of the unit that ran before it in the previous forward begins;
 - backward: the units are all-gathered in the reverse of this forward's order, each asynchronously, before the
   backward computation of the unit whose backward precedes it begins and before that unit's reduce-scatter (the
   last unit of the forward: before its own backward computation, the root's backward running first);
