@@ -98,6 +98,7 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "weight(n): a graded test's weight within its task (tests/points.py)")
     config.addinivalue_line("markers", "bonus(name): a bonus test, graded apart from the 100 (tests/points.py)")
     config.addinivalue_line("markers", "evidence(*what): the test decides memory or bytes from the ranks' reports")
+    config.addinivalue_line("markers", "witnessed(twin): the kernel watches this test's run; twin runs the same code")
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(Grader(config), "fsdp-grader")
 
@@ -132,6 +133,7 @@ class Grader(Selection, ResultsJson):
                                             kill_everything_of)
         self.limits = TimeLimits(config, self.budget)
         self.refuted: dict[str, str] = {}  # "memory"/"bytes" -> why (the test whose kernel witness refuted it)
+        self.unwatched: dict[str, str] = {}  # witnessed test whose run failed another way -> that failure's first line
 
     def clean(self, text: str) -> str:
         """Text from the submission as results.json may show it (sanitize, below)."""
@@ -195,6 +197,7 @@ class Grader(Selection, ResultsJson):
                 rec.failure = failure_text(call.excinfo, report, rec.task)
             if call.excinfo is not None:
                 self.refute(rec, call.excinfo.value)
+                self.note_unwatched(rec, call.excinfo.value)
                 hung = self.limits.record_failure(item.nodeid, rec.name, call.excinfo.value)
                 if hung:
                     rec.notes.append(f"note: {' and '.join(hung)} hung here: later tests that call "
@@ -214,22 +217,55 @@ class Grader(Selection, ResultsJson):
         text = str(exc)
         found = {"memory"} if "resident memory" in text else set()
         found |= {"bytes"} if "bytes written" in text else set()
-        for what in sorted(found or {"memory", "bytes"}):  # counters hidden or a rank gone: neither stands
+        # Counters hidden or a rank gone: neither property stands.
+        self._refute_properties(rec, found or {"memory", "bytes"}, f"the kernel's witness in {rec.name} refuted",
+                                f"the kernel's witness refuted the ranks' reports of {{what}} in {rec.name}")
+
+    def note_unwatched(self, rec: Record, exc: BaseException) -> None:
+        """Evidence fails closed: a witnessed test that failed another way (a rank raised, exited or hung in the
+        watched run, or its checks broke) leaves the kernel nothing to vouch for. That alone refutes nothing (the
+        same bug fails its twin too); see fail_closed."""
+        if rec.witnessed_twin is None or getattr(exc, "kind", None) == "witness":
+            return
+        self.unwatched.setdefault(rec.nodeid, (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300])
+        self.fail_closed()
+
+    def fail_closed(self) -> None:
+        """A witnessed test failed another way while its twin, which runs the same code unwatched, passed: the
+        submission fails only where the kernel watches (issue 32: a task module that raised at import only in the
+        witnessed run scored 99.56 with every report a lie). The ranks' reports of memory and bytes then stand
+        nowhere, as when the witness refutes them."""
+        for nodeid, first_line in self.unwatched.items():
+            rec = self.records[nodeid]
+            twins = [r for r in self.records.values()
+                     if r.nodeid.partition("::")[2].split("[")[0] == rec.witnessed_twin]
+            if any(r.state == "done" and r.call_passed and r.failed_phase is None for r in twins):
+                cause = (f"{rec.name} failed in the run the kernel watches ({first_line}) while "
+                         f"{rec.witnessed_twin} (the same code, unwatched) passed: the kernel's witness there refuted")
+                self._refute_properties(rec, {"memory", "bytes"}, cause,
+                                        f"evidence fails closed: {rec.name} failed where the kernel watches and "
+                                        f"passed unwatched, which refutes the ranks' reports of {{what}}")
+
+    def _refute_properties(self, rec: Record, found: set[str], cause: str, note: str) -> None:
+        """``cause`` heads each refuted test's output ("... refuted"); ``note`` ("... {what} ...") the run's."""
+        changed = False
+        for what in sorted(found):
             if what in self.refuted:
                 continue
+            changed = True
             self.refuted[what] = rec.name
-            why = (f"failed: the kernel's witness in {rec.name} refuted what this submission's ranks report about "
+            why = (f"failed: {cause} what this submission's ranks report about "
                    f"{'their memory' if what == 'memory' else 'the bytes they send'}, and this test decides that "
                    f"from those reports. The kernel's count stands for every such test (a defect hidden from "
                    f"the reports loses what it loses told honestly); see that test's output. Staff review this "
                    f"run.")
-            self.notes.append(f"the kernel's witness refuted the ranks' reports of "
-                              f"{'memory' if what == 'memory' else 'bytes sent'} in {rec.name}: the tests that "
-                              f"decide it from them score 0")
+            self.notes.append(note.format(what="memory" if what == "memory" else "bytes sent")
+                              + ": the tests that decide it from them score 0")
             for other in self.records.values():
                 if what in other.evidence and not other.refuted and other is not rec:
                     other.refuted = why
-        self.write()
+        if changed:
+            self.write()
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_teardown(self, item, nextitem) -> None:
@@ -254,6 +290,8 @@ class Grader(Selection, ResultsJson):
                 self.limits.end_test(nodeid, rec.task, time.time() - self.start, rec.duration,
                                      rec.call_passed and rec.failed_phase is None)
             rec.state = "done"
+            if self.unwatched:  # a twin that passes after its witnessed test failed
+                self.fail_closed()
             self.write()
 
     @pytest.hookimpl(trylast=True)

@@ -182,6 +182,7 @@ def _check_reported_states(results: list[dict]) -> None:
 
 
 @pytest.mark.evidence("bytes", "memory")
+@pytest.mark.witnessed(twin="test_training_matches_single_process_and_torch_fsdp2")
 def test_units_are_resharded_after_forward_and_backward():
     witness = witness_bounds(WITNESS_CFG, 2)
     # The model is bigger than the other tests' (about 180 MiB a rank at the peak): twice the witness's bound as
