@@ -66,10 +66,9 @@ MUTANTS: list[Mutant] = [
            "                self.param_names.append(name)\n            self.aliases[name] = unique[name][0]",
            "deduplicates by name instead of identity: a tied weight is flattened, and updated, twice",
            "tied weights updated twice, or once on the wrong rank"),
-    Mutant("m11", 2, "        \"\"\"Free the unsharded buffer's memory by resizing its storage to 0 bytes (views stay valid "
-                     "objects).\"\"\"\n        self.unsharded.untyped_storage().resize_(0)\n",
-           "        \"\"\"Free the unsharded buffer's memory by resizing its storage to 0 bytes (views stay valid "
-           "objects).\"\"\"\n        fresh = torch.empty(self.padded_numel, dtype=self.unsharded.dtype, "
+    Mutant("m11", 2, "        # Resizing the storage (not dropping the tensor) returns the memory while every view stays valid.\n"
+                     "        self.unsharded.untyped_storage().resize_(0)\n",
+           "        fresh = torch.empty(self.padded_numel, dtype=self.unsharded.dtype, "
            "device=self.unsharded.device)\n        fresh.untyped_storage().resize_(0)\n"
            "        self.unsharded.data = fresh\n",
            "'frees' by pointing the buffer at a new empty storage: the old one lives on in the views",
@@ -84,7 +83,8 @@ MUTANTS: list[Mutant] = [
            "never reshards after forward"),
     Mutant("m14", 3, "    elif unit.sharded_state == ShardedState.SHARDED:\n        for flat_param in unit.flat_params:\n"
                      "            unshard(flat_param, unit.group, param_dtype=unit.param_dtype)\n"
-                     "    for flat_param in unit.flat_params:\n        flat_param.use_unsharded_views()\n",
+                     "    # Fresh views every time: views made under torch.no_grad() in an earlier forward would cut the "
+                     "gradient path.\n    for flat_param in unit.flat_params:\n        flat_param.use_unsharded_views()\n",
            "    elif unit.sharded_state == ShardedState.SHARDED:\n        for flat_param in unit.flat_params:\n"
            "            unshard(flat_param, unit.group, param_dtype=unit.param_dtype)\n"
            "            flat_param.use_unsharded_views()\n",
