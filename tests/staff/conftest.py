@@ -142,3 +142,80 @@ def graded_reference():
                               setup_s, grade_s, changed)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@dataclass
+class GradedStubs:
+    data: dict                      # results.json
+    zip_names: list[str]            # what the release's make_submission.sh put in the stubs' zip
+    left_out: str                   # the task file taken out of the submission (a file the student forgot)
+    grade_s: float = 0.0
+    results_dir_mode: int = 0       # the mode of the world-writable sticky folder results.json went to, after
+    mode_changes: dict = field(default_factory=dict)  # shared folders whose mode grading changed
+
+
+@pytest.fixture(scope="session")
+def graded_stubs():
+    """The stubs graded once through the bundle, for the two checks that want it (each whole grading run costs
+    about a minute on the 2-core CI machine; they used to grade the stubs once each):
+
+    - tests/staff/test_release.py: the release's make_submission.sh zips the stubs and the bundle grades that zip
+      to 0, writing results.json into a world-writable sticky folder (like /tmp) whose mode grading must keep;
+    - tests/staff/test_autograder_bundle.py: every graded test fails saying which task and function to implement,
+      and the output names the task file missing from the submission (task7_fully_shard.py is taken out).
+
+    The Gradescope layout is the bundle's, set up by setup.sh with its install step skipped (this machine's torch),
+    graded by run_autograder as Gradescope runs it."""
+    from staff.autograder import build_bundle
+    from tests.staff.test_make_submission import filled_writeup
+
+    left_out = "fsdp_assignment/task7_fully_shard.py"
+    work = Path(tempfile.mkdtemp(prefix="fsdp-graded-stubs-"))
+    try:
+        release = _release_module()
+        dest = work / "release"
+        release.build_release(dest, allow_stale=True, quiet=True)
+        (dest / "WRITEUP.md").write_text(filled_writeup())
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_")
+               and k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "VIRTUAL_ENV", "PYTHONHOME")}
+        proc = subprocess.run(["bash", "make_submission.sh", "--skip-tests", "-o", "submission-stubs.zip"],
+                              cwd=dest, env=dict(env, PYTHON=sys.executable), capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+        root = work / "autograder"
+        (root / "source").mkdir(parents=True)
+        bundle = work / "autograder.zip"
+        build_bundle.build(bundle)
+        with zipfile.ZipFile(bundle) as zf:
+            zf.extractall(root / "source")
+        for name in ("setup.sh", "run_autograder"):
+            os.chmod(root / "source" / name, 0o755)
+        shutil.copy2(root / "source" / "run_autograder", root / "run_autograder")  # as Gradescope does
+        setup = subprocess.run(["bash", str(root / "source" / "setup.sh")], cwd=root, capture_output=True, text=True,
+                               timeout=120, env=dict(os.environ, AUTOGRADER_ROOT=str(root),
+                                                     FSDP_AUTOGRADER_SKIP_INSTALL="1", FSDP_AUTOGRADER_NO_USERADD="1"))
+        assert setup.returncode == 0, setup.stdout[-3000:] + setup.stderr[-3000:]
+
+        (root / "submission").mkdir()
+        with zipfile.ZipFile(dest / "submission-stubs.zip") as zf:
+            zip_names = zf.namelist()
+            zf.extractall(root / "submission")
+        (root / "submission" / left_out).unlink()
+        shared = root / "shared"  # results.json goes into a world-writable sticky folder, like /tmp
+        shared.mkdir()
+        shared.chmod(0o1777)
+        results = shared / "results.json"
+        shared_modes = {p: os.stat(p).st_mode for p in SHARED_PLACES if os.path.isdir(p)}
+        grade_env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "PYTEST_"))}
+        grade_env.update(AUTOGRADER_ROOT=str(root), FSDP_AUTOGRADER_PYTHON=sys.executable)
+        start = time.monotonic()
+        grade = subprocess.run([str(root / "run_autograder"), "--results", str(results)], cwd=root, env=grade_env,
+                               capture_output=True, text=True, timeout=900)
+        grade_s = time.monotonic() - start
+        changed = {p: (oct(m), oct(os.stat(p).st_mode)) for p, m in shared_modes.items() if os.stat(p).st_mode != m}
+        assert results.exists(), grade.stdout[-5000:] + grade.stderr[-3000:]
+        yield GradedStubs(json.loads(results.read_text()), zip_names, left_out, grade_s,
+                          shared.stat().st_mode & 0o7777, changed)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

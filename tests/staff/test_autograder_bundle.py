@@ -9,8 +9,9 @@ run_autograder grades two submissions:
   pytest.ini and pyproject.toml that must be ignored -> full marks, every graded test passed (this run is
   tests/staff/conftest.py's ``graded_reference``, shared with the image and release checks; its time is printed,
   not asserted);
-- the stubs, uploaded as loose files, one missing -> 0 points; every test says which task and function to
-  implement, and the output says which file was missing;
+- the stubs, the release's zip of them with one file taken out -> 0 points; every test says which task and
+  function to implement, and the output says which file was missing (tests/staff/conftest.py's ``graded_stubs``,
+  shared with tests/staff/test_release.py);
 - a broken submission (two zoo cases: a collective only rank 0 calls, and a results.json forged at the
   grader's results path with summed gradients) on three tests -> the broken tests fail and say why, the
   other passes, the forgery is gone, no process survives.
@@ -142,10 +143,13 @@ def test_reference_gets_full_marks(graded_reference):
 
 
 @pytest.mark.slow
-def test_stubs_get_zero_and_say_what_to_implement(autograder):
-    stubs = {Path(rel).name: (ROOT / rel).read_bytes() for rel in mutations.reference_student_files()}
-    del stubs["task7_fully_shard.py"]  # a file the student forgot: graded as the stub, and said so
-    data, seconds, _ = _grade(autograder, stubs)
+def test_stubs_get_zero_and_say_what_to_implement(graded_stubs):
+    """The stubs, with task7_fully_shard.py left out (a file the student forgot: graded as the stub, and said so),
+    graded through run_autograder: 0 points, and every test says what to implement. The grading run is
+    tests/staff/conftest.py's ``graded_stubs`` (the release's zip of the stubs, shared with test_release.py)."""
+    data, seconds = graded_stubs.data, graded_stubs.grade_s
+    assert results_schema.validate(data) == [], results_schema.validate(data)
+    assert graded_stubs.left_out == "fsdp_assignment/task7_fully_shard.py"
     assert data["score"] == 0
     assert "task7_fully_shard.py: not found in your submission" in data["output"]
     for t in data["tests"]:

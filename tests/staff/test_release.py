@@ -20,11 +20,10 @@ new student would:
 It takes about two runs of the public suite plus ~20 s (about 2 minutes on the 2-core CI machine).
 
 ``test_release_submission_is_graded_by_the_bundle`` closes the loop with the autograder: ``make_submission.sh``
-run inside the release makes a zip; the Gradescope bundle's staff tree (``python -m staff.autograder.build_bundle
---stage``), with that zip unpacked as the submission, grades it with ``grade.py --autograder-root``: 0 with the
-stubs; full marks with the reference's task files, from the one grading of the reference that the staff checks
-share (tests/staff/conftest.py, ``graded_reference``: the release's zip, graded through the bundle on setup.sh's
-image).
+run inside the release makes a zip that the Gradescope bundle grades: 0 with the stubs, full marks with the
+reference's task files, from the one grading of each that the staff checks share (tests/staff/conftest.py:
+``graded_stubs``, the release's zip of the stubs graded by run_autograder, and ``graded_reference``, the release's
+zip of the reference's files graded through the bundle on setup.sh's image).
 
 ``test_make_submission_reports_failing_tests`` checks the script's own reporting on a tiny fake repository (a
 passing and a failing test, a missing writeup, a missing task file) in a few seconds.
@@ -33,7 +32,6 @@ passing and a failing test, a missing writeup, a missing task file) in a few sec
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import shutil
@@ -216,70 +214,24 @@ def test_make_submission_reports_failing_tests(tmp_path):
     assert proc.returncode == 1 and release.TASK_FILES[3] in proc.stderr, proc.stdout + proc.stderr
 
 
-SHARED_PLACES = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
-
-
-def _grade_zip(zip_path: Path, source: Path, root: Path, *, results_in_shared_dir: bool = False) -> dict:
-    """Grade a submission zip the way Gradescope does: the bundle's staff tree in R/source, the zip unpacked in
-    R/submission, ``python -m staff.autograder.grade --autograder-root R`` run in R/source, as run_autograder does
-    (rank bodies as the current user).
-    With ``results_in_shared_dir``, ``--results`` points into a world-writable sticky folder (like /tmp): grading
-    must leave its mode alone (once it made /tmp 0700, and every later SLURM test failed). The machine's own shared
-    folders must keep their modes in every case."""
-    if root.exists():
-        shutil.rmtree(root)
-    (root / "submission").mkdir(parents=True)
-    shutil.copytree(source, root / "source")
-    with zipfile.ZipFile(zip_path) as zf:
-        zf.extractall(root / "submission")
-    shared_modes = {p: os.stat(p).st_mode for p in SHARED_PLACES if os.path.isdir(p)}
-    results = root / "results" / "results.json"
-    extra = []
-    if results_in_shared_dir:
-        shared = root / "shared"
-        shared.mkdir()
-        shared.chmod(0o1777)
-        results = shared / "results.json"
-        extra = ["--results", str(results)]
-    proc = subprocess.run([sys.executable, "-m", "staff.autograder.grade",
-                           "--autograder-root", str(root), "--rank-user", "none", *extra],
-                          cwd=root / "source", env=_clean_env(), capture_output=True, text=True, timeout=1500)
-    changed = {p: (oct(m), oct(os.stat(p).st_mode)) for p, m in shared_modes.items() if os.stat(p).st_mode != m}
-    if results_in_shared_dir:
-        mode = (root / "shared").stat().st_mode & 0o7777
-        assert mode == 0o1777, f"grading changed a shared --results folder's mode to {oct(mode)}"
-    assert not changed, f"grading changed the modes of shared folders (before, after): {changed}"
-    assert results.exists(), f"grade.py wrote no results.json (exit code {proc.returncode}):\n{_tail(proc)}"
-    data = json.loads(results.read_text())
-    data["_log"] = _tail(proc)
-    return data
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_release_submission_is_graded_by_the_bundle(tmp_path, graded_reference):
+def test_release_submission_is_graded_by_the_bundle(graded_stubs, graded_reference):
     """make_submission.sh, run inside the release, makes a zip that the autograder bundle grades: 0 with the
-    stubs, full marks with the reference's task files dropped in (that grading run is graded_reference's)."""
+    stubs, full marks with the reference's task files dropped in. Both grading runs are shared ones
+    (tests/staff/conftest.py: ``graded_stubs``, whose results.json goes into a world-writable sticky folder, and
+    ``graded_reference``)."""
     release = _release_module()
-    dest = tmp_path / "release"
-    release.build_release(dest, allow_stale=True, quiet=True)
-    source = tmp_path / "bundle-source"
-    proc = subprocess.run([sys.executable, "-m", "staff.autograder.build_bundle", "--stage", str(source)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, _tail(proc)
-    (dest / "WRITEUP.md").write_text(filled_writeup())
-    env = _clean_env()
-    env["PYTHON"] = sys.executable
-
-    zip_path = dest / "submission-stubs.zip"
-    proc = subprocess.run(["bash", "make_submission.sh", "--skip-tests", "-o", zip_path.name], cwd=dest,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, _tail(proc)
-    data = _grade_zip(zip_path, source, tmp_path / "autograder-stubs", results_in_shared_dir=True)
+    assert set(graded_stubs.zip_names) == set(release.TASK_FILES) | {"WRITEUP.md"}, graded_stubs.zip_names
+    assert graded_stubs.results_dir_mode == 0o1777, \
+        f"grading changed a shared --results folder's mode to {oct(graded_stubs.results_dir_mode)}"
+    assert not graded_stubs.mode_changes, \
+        f"grading changed the modes of shared folders (before, after): {graded_stubs.mode_changes}"
+    data = graded_stubs.data
     # The required tests' maximum: bonus tests (tag "bonus") are reported apart from the score.
     max_score = sum(t["max_score"] for t in data["tests"] if "bonus" not in t.get("tags", []))
-    assert data["tests"], f"stubs: no graded tests\n{data['_log']}"
-    assert data["score"] == 0, f"stubs: {data['score']:.2f}/{max_score:.2f}, expected 0\n{data['_log']}"
+    assert data["tests"], f"stubs: no graded tests\n{data['output'][-3000:]}"
+    assert data["score"] == 0, f"stubs: {data['score']:.2f}/{max_score:.2f}, expected 0\n{data['output'][-3000:]}"
 
     # The reference's task files dropped into a release and zipped by its make_submission.sh: graded once per
     # test run by tests/staff/conftest.py's graded_reference (through the bundle, on setup.sh's image).
