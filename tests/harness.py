@@ -88,6 +88,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.rank_cgroup import RankCgroup
 from tests.rank_isolation import (apply_limits, close_inherited_fds, create_private, drop_privileges,
                                    grader_settings, kill_everything_of, redirect_output, trace_task_calls,
                                    watch_lifeline)
@@ -209,7 +210,8 @@ class Witness:
                 if m["peak_bytes"] > self.peak_bytes:
                     problems.append(
                         f"{where}: the kernel saw its resident memory rise {_mib(m['peak_bytes'])} above its level "
-                        f"when the body started (VmHWM in /proc/<pid>/status), more than this test's bound of "
+                        f"when the body started (VmHWM in /proc/<pid>/status{_CGROUP_WORDS if m.get('cgroup') else ''}"
+                        f"), more than this test's bound of "
                         f"{_mib(self.peak_bytes)}: full parameters or gradients that should have been freed were "
                         f"still alive")
                 elif m["peak_abs_bytes"] > m["first_bytes"] + WITNESS_START_ALLOWANCE_BYTES + self.peak_bytes:
@@ -233,6 +235,10 @@ class Witness:
                 kind="witness", rank=int(problems[0].split(":")[0].split()[1]))
 
 
+_CGROUP_WORDS = (", with what its memory cgroup shows it holds beyond its page tables: shared and tmpfs pages it "
+                 "does not map, socket buffers")
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
@@ -245,12 +251,12 @@ def _forkserver_rss() -> int:
 
 
 def _read_status(pid: int) -> dict[str, int]:
-    """VmHWM and VmRSS of a process in bytes (empty when it is gone or a zombie)."""
+    """VmHWM, VmRSS and RssShmem of a process in bytes (empty when it is gone or a zombie)."""
     out = {}
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f.read(1 << 16).splitlines():
-                if line.startswith((b"VmHWM:", b"VmRSS:")):
+                if line.startswith((b"VmHWM:", b"VmRSS:", b"RssShmem:")):
                     key, value = line.split(b":", 1)
                     out[key.decode()] = int(value.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
@@ -272,8 +278,10 @@ def _read_wchar(pid: int) -> int | None:
 class _KernelSamples:
     """What the parent read about one rank from /proc while it ran (see Witness)."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, cgroup: "RankCgroup | None" = None):
         self.pid = pid
+        self.cgroup = cgroup  # its own memory cgroup, where one could be made (tests/rank_cgroup.py)
+        self.held_peak = 0  # the most it held at one reading beyond what VmHWM counts (its cgroup's hidden())
         self.idle = _forkserver_rss()  # an upper bound of what it holds when it is forked
         self.first_rss = None  # what it held at the parent's first reading, soon after the fork
         self.started = False
@@ -304,11 +312,16 @@ class _KernelSamples:
                              f"which hides memory from the parent")
         self.last_hwm = max(self.last_hwm, hwm)
         self.peak_hwm = max(self.peak_hwm, hwm)
+        hidden = self.cgroup.hidden(st.get("RssShmem", 0)) if self.cgroup is not None and self.started else None
+        if hidden:  # on top of what it holds in its page tables now
+            self.held_peak = max(self.held_peak, st["VmRSS"] - self.start_rss + hidden)
         self.wchar = wchar
         self.final = self.final or final
 
     def body_started(self) -> None:
         self.sample()
+        if self.cgroup is not None:
+            self.cgroup.start()
         self.started = True
         self.start_rss = _read_status(self.pid).get("VmRSS", 0)
 
@@ -327,7 +340,11 @@ class _KernelSamples:
             error = self.hwm_fell
         out_size = min(_regular_file_size(r.out_path) or 0, WITNESS_OUTPUT_BYTES)
         sent = (self.wchar or 0) - self.received - out_size
-        return {"rank": r.rank, "error": error, "peak_bytes": self.peak_hwm - self.start_rss,
+        # Resident memory's rise, or its rise with what the rank's cgroup shows it holds beyond its page tables
+        # (tmpfs pages it does not map, socket buffers: tests/rank_cgroup.py) at one reading, whichever is more.
+        peak = max(self.peak_hwm - self.start_rss, self.held_peak)
+        return {"rank": r.rank, "error": error, "peak_bytes": peak, "held_bytes": self.held_peak,
+                "cgroup": self.cgroup is not None and self.cgroup.started,
                 "peak_abs_bytes": self.peak_hwm, "start_bytes": self.start_rss, "idle_bytes": self.idle,
                 "first_bytes": self.first_rss or self.idle,
                 "sent_bytes": sent, "samples": self.samples}
@@ -436,7 +453,13 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
             if witness is not None:
                 ack_r.close()
                 ranks[-1].ack = ack_w
-                ranks[-1].kernel = _KernelSamples(proc.pid)
+                # Its own memory cgroup, joined before its body runs (it waits for our reading first), where this
+                # machine lets us make one; /proc alone otherwise.
+                cgroup = RankCgroup.create(f"fsdp-{os.path.basename(run_dir)}-rank{rank}")
+                if cgroup is not None and not cgroup.add(proc.pid):
+                    cgroup.remove()
+                    cgroup = None
+                ranks[-1].kernel = _KernelSamples(proc.pid, cgroup)
             os.set_blocking(conn_r.fileno(), False)  # read in pieces, never waiting on a rank (_read_report)
         failure = _collect(ranks, deadline=time.monotonic() + timeout, timeout=timeout,
                            memory_limit_bytes=memory_limit_bytes)
@@ -450,6 +473,9 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
         _kill_all(ranks)
         if run_as is not None:  # and nothing the body started outside its session (a detached daemon)
             kill_everything_of(run_as[0])
+        for r in ranks:
+            if r.kernel is not None and r.kernel.cgroup is not None:
+                r.kernel.cgroup.remove()
         lifeline_w.close()
         lifeline_r.close()
         for r in ranks:
