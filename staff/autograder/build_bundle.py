@@ -51,6 +51,7 @@ BUNDLE_GLOBS = (
     "tests/conftest.py",
     "tests/harness.py",
     "tests/rank_isolation.py",
+    "tests/rank_cgroup.py",
     "tests/points.py",
     "tests/public/*.py",
     "tests/hidden/*.py",

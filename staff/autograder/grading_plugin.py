@@ -329,7 +329,7 @@ def failure_text(excinfo, report, task: int) -> str:
     return text
 
 
-HARNESS_FILES = ("harness.py", "rank_isolation.py")  # tests/: run_ranks and what it does to a rank
+HARNESS_FILES = ("harness.py", "rank_isolation.py", "rank_cgroup.py")  # tests/: run_ranks and what it does to a rank
 
 
 def check_error_text(excinfo, report) -> str:
