@@ -204,8 +204,13 @@ def check(writeup: str, results: dict[str, dict]) -> tuple[list[str], list[str]]
             problems.append(f"{kind}: {len(rows)} pasted row(s), but the submission has no {name}.json")
             continue
         expected = dict(render(results[name]))
+        in_this_table = set()
         for row in rows:
             key = tuple(row[:nkey])
+            if key in in_this_table:  # a key cell edited into another row's (two rows of a model can print alike)
+                problems.append(f"{kind}: row {' | '.join(key)} is pasted twice in one table")
+                continue
+            in_this_table.add(key)
             seen.setdefault(kind, set()).add(key)
             if key not in expected:
                 problems.append(f"{kind}: row {' | '.join(key)} is not in {name}.json")
