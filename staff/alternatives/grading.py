@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             low = shortfall(data)
             ok = not verdict.killed and data.get("tests") and not low
             failed += not ok
-            print(f"alternatives of Tasks {', '.join(map(str, tasks))}: {'FULL MARKS' if ok else 'NOT FULL MARKS'} "
+            which = f"Task {tasks[0]}'s alternative" if len(tasks) == 1 else \
+                f"the alternatives of Tasks {', '.join(map(str, tasks))}"
+            print(f"{which}: {'FULL MARKS' if ok else 'NOT FULL MARKS'} "
                   f"score {data.get('score')}, bonus {bonus.get('score')}/{bonus.get('max_score')}, "
                   f"{verdict.tests} tests, {verdict.seconds:.0f} s"
                   + ("" if ok else f"; first failure: {verdict.killer}\n{verdict.detail}\n" + "\n".join(low[:5])))
