@@ -11,6 +11,9 @@ started, of the kernel's own count of shared memory (``Shmem``: tmpfs and memfd 
 segments, shared anonymous mappings, a private tmpfs mounted in a namespace): the grading container's cgroup's
 where there is one (memory.stat), else the machine's (/proc/meminfo). What the rank user's files on tmpfs, its
 System V segments and its processes' mapped shared memory add up to is a lower bound, used when it is larger.
+Socket buffers (issue 32: three ranks held 1 GiB each in unix socket buffers and were not killed) are kernel
+memory no process maps: counted as the growth of the cgroup's kernel memory (v1 ``memory.kmem.usage_in_bytes``,
+v2 ``sock`` in memory.stat) since the test started, where the grading container's cgroup can be read.
 At the limit it kills every process of the user at once (tests/rank_isolation.py, kill_everything_of) and says
 so; the ranks then fail as killed by SIGKILL, and the test's output carries the note.
 """
@@ -76,9 +79,32 @@ def shmem_source() -> tuple[str, str]:
     return "/proc/meminfo", "Shmem"
 
 
+def socket_source() -> tuple[str, str] | None:
+    """Where the kernel counts socket buffers for this process's cgroup: (file, key; "" for a file holding one
+    number), or None (no cgroup to read: not counted)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        lines = []
+    candidates = []
+    for _, controllers, path in (parts for parts in lines if len(parts) == 3):
+        if controllers == "":  # cgroup v2: network buffers, unix sockets' included
+            candidates += [(f"/sys/fs/cgroup{path.rstrip('/')}/memory.stat", "sock")]
+        elif "memory" in controllers.split(","):  # v1: all kernel memory, unix socket buffers among it
+            candidates += [(f"/sys/fs/cgroup/memory{path.rstrip('/')}/memory.kmem.usage_in_bytes", ""),
+                           ("/sys/fs/cgroup/memory/memory.kmem.usage_in_bytes", "")]
+    for where, key in candidates:
+        if read_shmem(where, key) is not None:
+            return where, key
+    return None
+
+
 def read_shmem(where: str, key: str) -> int | None:
     try:
         with open(where) as f:
+            if not key:  # a file holding one number (cgroup v1's memory.kmem.usage_in_bytes)
+                return int(f.read().split()[0])
             for line in f:
                 name, _, value = line.partition(" ") if where != "/proc/meminfo" else line.partition(":")
                 if name == key:
@@ -121,13 +147,15 @@ def sysv_shm_bytes(uid: int) -> int:
         return 0
 
 
-def student_bytes(uid: int, places: list[str], shmem_growth: int = 0) -> dict[str, int]:
-    """The rank user's memory: its processes' private memory, and the shared memory (the growth of the kernel's
-    count since the test started, or what the user's files, segments and mappings add up to, if more)."""
+def student_bytes(uid: int, places: list[str], shmem_growth: int = 0, socket_growth: int = 0) -> dict[str, int]:
+    """The rank user's memory: its processes' private memory, the shared memory (the growth of the kernel's
+    count since the test started, or what the user's files, segments and mappings add up to, if more) and the
+    growth of the kernel's count of socket buffers."""
     private, mapped_shared = process_bytes(uid)
     owned = tmpfs_bytes(uid, places) + sysv_shm_bytes(uid)
     return {"processes": private, "shared memory (tmpfs, memfd, /dev/shm, System V)": max(shmem_growth, owned,
-                                                                                         mapped_shared)}
+                                                                                         mapped_shared),
+            "socket buffers": socket_growth}
 
 
 class MemoryWatch:
@@ -140,6 +168,8 @@ class MemoryWatch:
         self.uid, self.limit, self.kill = uid, limit, kill
         self.shmem = shmem_source()
         self.shmem_baseline = 0
+        self.sockets = socket_source()
+        self.sockets_baseline = 0
         self.peak = 0
         self.killed: dict[str, int] | None = None
         self._stop = threading.Event()
@@ -149,6 +179,7 @@ class MemoryWatch:
         self._stop.clear()
         self.killed, self.peak = None, 0
         self.shmem_baseline = read_shmem(*self.shmem) or 0  # before the ranks start
+        self.sockets_baseline = (read_shmem(*self.sockets) or 0) if self.sockets else 0
         self._thread = threading.Thread(target=self._run, name="fsdp-student-memory", daemon=True)
         self._thread.start()
 
@@ -162,12 +193,15 @@ class MemoryWatch:
         parts = ", ".join(f"{k} {v >> 20} MiB" for k, v in self.killed.items())
         return (f"note: your code's processes were all killed: together they used {sum(self.killed.values()) >> 20} "
                 f"MiB ({parts}), over the {self.limit >> 20} MiB a submission may use at once (every process "
-                f"and child process, files in /dev/shm and /tmp, deleted or not, memfd files, shared memory)")
+                f"and child process, files in /dev/shm and /tmp, deleted or not, memfd files, shared memory, "
+                f"socket buffers)")
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
             now = read_shmem(*self.shmem)
-            used = student_bytes(self.uid, self.places, max(0, (now or 0) - self.shmem_baseline))
+            sockets = (read_shmem(*self.sockets) or 0) if self.sockets else 0
+            used = student_bytes(self.uid, self.places, max(0, (now or 0) - self.shmem_baseline),
+                                 max(0, sockets - self.sockets_baseline))
             total = sum(used.values())
             self.peak = max(self.peak, total)
             if total > self.limit and self.killed is None:

@@ -282,6 +282,21 @@ if kind == "children":  # several processes, each under any per-process limit
                 block[i] = 1
             time.sleep(60)
             os._exit(0)
+elif kind == "sockets":  # issue 32: unix socket buffers, filled and never read (kernel memory no process maps)
+    import resource
+    import socket
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    held = []
+    while len(held) < 1000:  # about 230 KiB each: 220 MiB
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        try:
+            while True:
+                a.send(bytes(65536))
+        except BlockingIOError:
+            pass
+        held.append((a, b))
 elif kind == "tmpfs":  # files on tmpfs, mapped by nobody
     with open(sys.argv[2], "wb") as f:
         for _ in range(24):
@@ -297,11 +312,12 @@ time.sleep(60)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
-@pytest.mark.parametrize("kind", ["children", "tmpfs", "unlinked", "memfd"])
+@pytest.mark.parametrize("kind", ["children", "tmpfs", "unlinked", "memfd", "sockets"])
 def test_the_rank_users_memory_is_bounded_all_together(kind):
     """Issue 18: the grading process counts all of the rank user's memory (processes' Pss, tmpfs files, SysV
     shared memory) and kills every process of the user past the limit. Issue 25: shared memory with no name to
-    find (an unlinked /dev/shm file, a memfd file) counts too (the kernel's count of shared memory grew)."""
+    find (an unlinked /dev/shm file, a memfd file) counts too (the kernel's count of shared memory grew). Issue
+    32: socket buffers too (the kernel memory of the grading cgroup grew), where that cgroup can be read."""
     import pwd
     import subprocess
     import sys
@@ -314,6 +330,9 @@ def test_the_rank_users_memory_is_bounded_all_together(kind):
         pytest.skip("processes of 'nobody' already run on this machine; not killing them")
     if kind in ("tmpfs", "unlinked") and "/dev/shm" not in tmpfs_mounts():
         pytest.skip("/dev/shm is not a tmpfs here")
+    from staff.autograder.student_limits import socket_source
+    if kind == "sockets" and socket_source() is None:
+        pytest.skip("no cgroup here to read socket buffers from")
     python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
     watch = MemoryWatch(entry.pw_uid, 150 << 20, ["/dev/shm"], kill_everything_of)
     watch.start()
