@@ -19,6 +19,9 @@ import the reference directly.)
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,6 +33,7 @@ from tests.public.test_task7_fully_shard import (WITNESS_CFG, _memory_states, ch
 
 pytestmark = pytest.mark.staff
 WORLD_SIZE = 2
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- The variants, applied inside the rank before the graded body runs -----------------------------------
@@ -134,3 +138,71 @@ def test_the_witness_passes_on_torch_fsdp2():
     witness.check()
     for m in witness.measured:  # and it measured something real: the step's gathers and reduce-scatters
         assert m["sent_bytes"] > 0.9 * witness.sent_bytes and m["peak_bytes"] > 0.5 * witness.peak_bytes, m
+
+
+# ---- Which graded tests the kernel watches (issue 32, item 1) --------------------------------------------------
+# Graded tests that decide memory or bytes from the ranks' reports (marker evidence) but whose runs the kernel does
+# not watch yet: issue 32 asks for every one to be witnessed against its own bound, which is not done (a memory
+# bound means something only where a unit's parameters stand far above the 1-2 MiB by which an idle rank moves;
+# these tests' models are small). Until then the grader's rule covers them: a witness failure, or a witnessed test
+# failing only where watched (Grader.fail_closed), refutes their reports. The list may only shrink.
+NOT_YET_WITNESSED = {
+    "test_differential.py::test_generated_scripts_match_torch_fsdp2",
+    "test_task3_hidden.py::test_reshard_really_frees_memory",
+    "test_task4_hidden.py::test_gradients_accumulate_over_backward_passes",
+    "test_task4_hidden.py::test_backward_really_frees_full_parameters_and_gradients",
+    "test_task4_hidden.py::test_frozen_embedding_and_a_fully_frozen_unit",
+    "test_task4_hidden.py::test_unit_run_twice_and_detached_output",
+    "test_task6_hidden.py::test_prefetch_gathers_each_unit_once_and_finishes_every_reduction",
+    "test_task6_hidden.py::test_prefetch_follows_a_changed_order_and_frees_units_that_never_run",
+    "test_task6_hidden.py::test_prefetch_with_a_block_run_twice_keeps_two_units_unsharded",
+    "test_task6_hidden.py::test_prefetch_with_frozen_embedding_and_a_fully_frozen_unit",
+    "test_task7_hidden.py::test_gradient_accumulation_over_two_steps_with_prefetch",
+    "test_task7_hidden.py::test_reshard_after_forward_false_via_fully_shard",
+    "test_bonus_hsdp.py::test_hsdp_2x2_trains_like_one_process_and_fsdp2",
+    "test_bonus_hsdp.py::test_hsdp_degenerate_meshes_4x1_and_1x4",
+    "test_task2_flat_param.py::test_views_alias_the_flat_buffer_and_free_releases_storage",
+    "test_task3_forward.py::test_unshard_gathers_every_rank_shard_and_reshard_frees",
+    "test_task3_forward.py::test_forward_matches_single_process",
+    "test_task4_backward.py::test_gradient_shards_match_single_process",
+    "test_task4_backward.py::test_gradients_without_reshard_after_forward",
+    "test_task4_backward.py::test_nested_frozen_and_unused_parameters",
+    "test_task4_backward.py::test_frozen_base_weights_are_resharded_at_each_units_backward",
+    "test_task4_backward.py::test_activation_checkpointing_matches_single_process",
+    "test_task5_optim_ckpt.py::test_optimizer_state_is_sharded_and_one_adamw_step_matches",
+    "test_task6_prefetch.py::test_prefetch_changes_no_number",
+    "test_task6_prefetch.py::test_prefetch_order_and_at_most_two_units_unsharded",
+    "test_task6_prefetch.py::test_prefetch_with_frozen_base_weights",
+    "test_task6_prefetch.py::test_prefetch_with_activation_checkpointing",
+    "test_task7_fully_shard.py::test_training_matches_single_process_and_torch_fsdp2",
+    "test_task7_fully_shard.py::test_tied_weights_are_updated_once",
+    "test_task7_fully_shard.py::test_mixed_precision_matches_torch_fsdp2",
+    "test_task7_fully_shard.py::test_gradient_accumulation_with_and_without_sync",
+}
+
+
+def _marked_tests() -> dict[str, dict[str, ast.Call]]:
+    """``file.py::test`` -> {marker name: its decorator call} for the evidence and witnessed markers."""
+    out = {}
+    for path in sorted(ROOT.glob("tests/*/test_*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                marks = {ast.unparse(d.func).rsplit(".", 1)[1]: d for d in node.decorator_list
+                         if isinstance(d, ast.Call) and ast.unparse(d.func) in ("pytest.mark.evidence",
+                                                                                 "pytest.mark.witnessed")}
+                out[f"{path.name}::{node.name}"] = marks
+    return out
+
+
+def test_every_test_that_decides_memory_or_bytes_is_witnessed_or_listed():
+    marked = _marked_tests()
+    evidence = {name for name, marks in marked.items() if "evidence" in marks}
+    witnessed = {name: marks["witnessed"] for name, marks in marked.items() if "witnessed" in marks}
+    unwatched = evidence - set(witnessed) - NOT_YET_WITNESSED
+    assert not unwatched, f"graded tests deciding memory or bytes that no kernel witness watches: {sorted(unwatched)}"
+    stale = NOT_YET_WITNESSED - (evidence - set(witnessed))
+    assert not stale, f"NOT_YET_WITNESSED names tests that are witnessed now, or gone: {sorted(stale)}"
+    tests = {name.split("::")[1] for name in marked}
+    for name, mark in witnessed.items():  # each names its twin: a graded test running the same code unwatched
+        twin = next((k.value.value for k in mark.keywords if k.arg == "twin"), None)
+        assert twin in tests and twin != name.split("::")[1], f"{name}: witnessed(twin={twin!r}) names no other test"
