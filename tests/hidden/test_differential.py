@@ -139,5 +139,5 @@ def compare(cfg: dict, ours: list[dict], fsdp2: list[dict]) -> None:
                 assert before == total, (
                     f"{where}: micro-batch {i}: {total - (before or 0)} of the backward's {total} reduce-scatters were "
                     f"issued from autograd's final callback, after the backward's last node had run: a unit's "
-                    f"post-backward must run when its own backward is done (the trigger on its inputs, keyword "
-                    f"arguments included, applied before the parameter views are made: Task 4)")
+                    f"post-backward must run while the backward pass runs, as soon as its own backward is done, "
+                    f"whatever its inputs (keyword arguments included: Task 4's contract; hints/task4/04-end-of-backward)")
