@@ -53,8 +53,8 @@ def set_prefetch(module: nn.Module, enabled: bool) -> None:
     Off by default. Works before the tree's first forward too, when no ``SharedState`` exists yet
     (``init_shared_state`` is provided); ``ValueError`` when ``module`` is not a unit's module. It may be
     called between any two iterations, and takes effect in the very next one: backward prefetch and
-    asynchronous reduce-scatters at once, forward prefetch once a forward with prefetching on has recorded the
-    order; switched off, nothing is gathered ahead any more (no backward prefetch by an order recorded earlier)
+    asynchronous reduce-scatters at once, forward prefetch at the latest once a forward with prefetching on has
+    recorded the order (earlier, by an order recorded before, is allowed); switched off, nothing is gathered ahead any more (no backward prefetch by an order recorded earlier)
     and reduce-scatters are synchronous again."""
     raise NotImplementedError("Task 6: implement set_prefetch() in fsdp_assignment/task6_prefetch.py (see its docstring)")
 
