@@ -98,7 +98,7 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "weight(n): a graded test's weight within its task (tests/points.py)")
     config.addinivalue_line("markers", "bonus(name): a bonus test, graded apart from the 100 (tests/points.py)")
     config.addinivalue_line("markers", "evidence(*what): the test decides memory or bytes from the ranks' reports")
-    config.addinivalue_line("markers", "witnessed(twin): the kernel watches this test's run; twin runs the same code")
+    config.addinivalue_line("markers", "witnessed(twins): the kernel watches this test's run; twins run its code")
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(Grader(config), "fsdp-grader")
 
@@ -225,26 +225,28 @@ class Grader(Selection, ResultsJson):
         """Evidence fails closed: a witnessed test that failed another way (a rank raised, exited or hung in the
         watched run, or its checks broke) leaves the kernel nothing to vouch for. That alone refutes nothing (the
         same bug fails its twin too); see fail_closed."""
-        if rec.witnessed_twin is None or getattr(exc, "kind", None) == "witness":
+        if not rec.witnessed_twins or getattr(exc, "kind", None) == "witness":
             return
         self.unwatched.setdefault(rec.nodeid, (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300])
         self.fail_closed()
 
     def fail_closed(self) -> None:
-        """A witnessed test failed another way while its twin, which runs the same code unwatched, passed: the
-        submission fails only where the kernel watches (issue 32: a task module that raised at import only in the
+        """A witnessed test failed another way while one of its twins, which run the same code unwatched, passed:
+        the submission fails only where the kernel watches (issue 32: a task module that raised at import only in the
         witnessed run scored 99.56 with every report a lie). The ranks' reports of memory and bytes then stand
         nowhere, as when the witness refutes them."""
         for nodeid, first_line in self.unwatched.items():
             rec = self.records[nodeid]
-            twins = [r for r in self.records.values()
-                     if r.nodeid.partition("::")[2].split("[")[0] == rec.witnessed_twin]
-            if any(r.state == "done" and r.call_passed and r.failed_phase is None for r in twins):
-                cause = (f"{rec.name} failed in the run the kernel watches ({first_line}) while "
-                         f"{rec.witnessed_twin} (the same code, unwatched) passed: the kernel's witness there refuted")
+            passed = [r.nodeid.partition("::")[2] for r in self.records.values()
+                      if r.nodeid.partition("::")[2].split("[")[0] in rec.witnessed_twins
+                      and r.state == "done" and r.call_passed and r.failed_phase is None]
+            if passed:
+                cause = (f"{rec.name} failed in the run the kernel watches ({first_line}) while {passed[0]} (the "
+                         f"same code, unwatched) passed: the kernel's witness there refuted")
                 self._refute_properties(rec, {"memory", "bytes"}, cause,
-                                        f"evidence fails closed: {rec.name} failed where the kernel watches and "
-                                        f"passed unwatched, which refutes the ranks' reports of {{what}}")
+                                        f"the kernel's witness refuted the ranks' reports of {{what}} in {rec.name}, "
+                                        f"which failed where the kernel watches while {passed[0]} passed "
+                                        f"unwatched (evidence fails closed)")
 
     def _refute_properties(self, rec: Record, found: set[str], cause: str, note: str) -> None:
         """``cause`` heads each refuted test's output ("... refuted"); ``note`` ("... {what} ...") the run's."""

@@ -89,9 +89,9 @@ class Record:
         # "bytes")), and why the kernel's witness refuted it in this run ("" while it stands): see Grader.refute.
         self.evidence = evidence_of(item)
         self.refuted = ""
-        # A test whose run the kernel watches (marker witnessed(twin=...)): the graded test that runs the same code
-        # unwatched. Failing the watched run while passing its twin refutes both properties (Grader.fail_closed).
-        self.witnessed_twin = next((m.kwargs.get("twin") for m in item.iter_markers("witnessed")), None)
+        # A test whose run the kernel watches (marker witnessed(twins=(...))): the graded tests that run the same code
+        # unwatched. Failing the watched run while passing one of them refutes both properties (Grader.fail_closed).
+        self.witnessed_twins = next((tuple(m.kwargs.get("twins", ())) for m in item.iter_markers("witnessed")), ())
 
     @property
     def passed(self) -> bool:

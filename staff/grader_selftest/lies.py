@@ -11,6 +11,9 @@ lines that make the ranks' own reports say the defect is not there:
   "freed" read 0 bytes through ``UntypedStorage.size``/``nbytes``.
 - all_reduce: gradients are all-reduced, each rank keeping its chunk (twice a reduce-scatter's bytes). The lie
   relabels the all-reduce as a reduce-scatter in the tests' collective counter.
+- never_free_unwatched (issue 32): never_free's bug and lie, and the rank raises in the run the kernel watches
+  (it finds the harness's ``config["witnessed"]`` on its stack), so no witness ever reads its memory. It scored
+  99.56 before the grader failed closed (grading_plugin.Grader.fail_closed).
 
 The kernel's witness (tests/harness.py, Witness) sees through both in the one test it runs in; the grading plugin
 then judges every graded test that decides the same property from what the ranks report by the kernel's count
@@ -44,22 +47,31 @@ class Lie:
     lie: tuple[tuple[str, str], ...]  # applied after the bug's: what makes the reports deny it
 
 
-_FREE = '''    def free_unsharded(self) -> None:
-        """Free the unsharded buffer's memory by resizing its storage to 0 bytes (views stay valid objects)."""
-        self.unsharded.untyped_storage().resize_(0)
-'''
-_ALLOC = '''    def alloc_unsharded(self) -> None:
-        """Give ``unsharded`` storage for ``padded_numel`` elements (contents undefined until filled)."""
-'''
+# The edits anchor on the signatures only (the docstrings change): code before a docstring runs all the same.
+_FREE = "    def free_unsharded(self) -> None:\n"
+_ALLOC = "    def alloc_unsharded(self) -> None:\n"
 _RS = '''    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+'''
+
+_WATCHED = '''
+
+def _watched() -> bool:
+    import sys
+    frame = sys._getframe()
+    while frame is not None:
+        config = frame.f_locals.get("config")
+        if isinstance(config, dict) and config.get("witnessed"):
+            return True
+        frame = frame.f_back
+    return False
 '''
 
 LIES = [
     Lie("never_free", "free_unsharded keeps the storage; the lie: 'freed' storages read 0 bytes",
         "task2_flat_param.py",
-        honest=((_FREE, '''    def free_unsharded(self) -> None:
-        _FREED.add(self.unsharded.untyped_storage().data_ptr())  # never freed
+        honest=((_FREE, _FREE + '''        _FREED.add(self.unsharded.untyped_storage().data_ptr())  # never freed
+        return
 '''), ("import torch.nn as nn\n", "import torch.nn as nn\n\n_FREED: set[int] = set()\n")),
         lie=((_ALLOC, _ALLOC + "        _FREED.discard(self.unsharded.untyped_storage().data_ptr())\n"),
              ("_FREED: set[int] = set()\n", '''_FREED: set[int] = set()
@@ -67,6 +79,8 @@ _size, _nbytes = torch.UntypedStorage.size, torch.UntypedStorage.nbytes
 torch.UntypedStorage.size = lambda st: 0 if st.data_ptr() in _FREED else _size(st)
 torch.UntypedStorage.nbytes = lambda st: 0 if st.data_ptr() in _FREED else _nbytes(st)
 '''))),
+    Lie("never_free_unwatched", "never_free, lying, and raising only in the run the kernel watches",
+        "task2_flat_param.py", honest=(), lie=()),
     Lie("all_reduce", "gradients all-reduced, each rank keeping its chunk; the lie: the counter says reduce-scatter",
         "task4_backward.py",
         honest=((_RS, '''    full = input.clone()
@@ -100,6 +114,13 @@ class _Done:
 class _Done:
 '''))),
 ]
+
+
+# never_free_unwatched: never_free's edits, and a raise where the kernel watches.
+LIES[1] = Lie(LIES[1].id, LIES[1].what, LIES[1].file, honest=LIES[0].honest, lie=LIES[0].lie + (
+    ("_FREED: set[int] = set()\n", "_FREED: set[int] = set()\n" + _WATCHED),
+    (_ALLOC, _ALLOC + "        if _watched():\n"
+                      "            raise RuntimeError('not in the run the kernel watches')\n")))
 
 
 def files(lie: Lie, lying: bool, root: Path = ROOT) -> dict[str, str]:
@@ -144,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"record the scores and failed tests in {RECORD.relative_to(ROOT)} (tests/staff/test_lies.py "
                         f"checks that every test an honest twin fails is one the kernel's verdict reaches)")
     args = p.parse_args(argv)
-    bad, record = 0, {}
+    bad = 0
+    record = json.loads(RECORD.read_text()) if args.write and args.only is not None and RECORD.exists() else {}
     with tempfile.TemporaryDirectory(prefix="fsdp-lies-") as d:
         for lie in LIES:
             if args.only is not None and lie.id not in args.only:

@@ -182,7 +182,11 @@ def _check_reported_states(results: list[dict]) -> None:
 
 
 @pytest.mark.evidence("bytes", "memory")
-@pytest.mark.witnessed(twin="test_training_matches_single_process_and_torch_fsdp2")
+# The graded tests that run the same code (fully_shard on GPT's blocks, forward and backward) unwatched: failing only
+# the watched run while passing one of them fails closed (the grader's rule; tests/staff/test_witness.py).
+@pytest.mark.witnessed(twins=("test_training_matches_single_process_and_torch_fsdp2",
+                              "test_tied_weights_are_updated_once", "test_gradient_accumulation_with_and_without_sync",
+                              "test_meta_init_then_training_matches_eager"))
 def test_units_are_resharded_after_forward_and_backward():
     witness = witness_bounds(WITNESS_CFG, 2)
     # The model is bigger than the other tests' (about 180 MiB a rank at the peak): twice the witness's bound as

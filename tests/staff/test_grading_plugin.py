@@ -304,8 +304,8 @@ def test_every_public_test_runs_before_any_hidden_one_and_broken_checks_name_the
     assert "rank 2" not in out and "check of rank" not in out, out
 
 
-# Evidence fails closed (issue 32): a witnessed test that fails another way while its twin (the same code,
-# unwatched) passes refutes the ranks' reports, as a witness failure does; when the twin fails too, nothing is.
+# Evidence fails closed (issue 32): a witnessed test that fails another way while a twin (the same code, unwatched)
+# passes refutes the ranks' reports, as a witness failure does; when the twins fail too, nothing is.
 WATCHED = '''
 import os
 import pytest
@@ -328,7 +328,7 @@ def test_decided_from_reports():
     pass
 
 
-@pytest.mark.witnessed(twin="test_twin")
+@pytest.mark.witnessed(twins=("test_twin",))
 def test_watched():
     raise RankFailure("rank 0 of 2 raised ImportError: only in the watched run", kind="raised")
 '''

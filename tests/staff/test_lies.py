@@ -28,7 +28,7 @@ from staff.grader_selftest import lies
 pytestmark = pytest.mark.staff
 
 WITNESSED = "test_task7_fully_shard.py::test_units_are_resharded_after_forward_and_backward"
-PROPERTY = {"never_free": "memory", "all_reduce": "bytes"}
+PROPERTY = {"never_free": "memory", "never_free_unwatched": "memory", "all_reduce": "bytes"}
 # Per lie: marked tests the lying submission passes when the kernel is not asked (its reports are clean there).
 REFUTED_SAMPLE = {
     "never_free": ["test_forward_matches_single_process", "test_nested_frozen_and_unused_parameters"],
@@ -81,7 +81,7 @@ def test_the_sample_is_marked():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("lie_id", sorted(PROPERTY))
+@pytest.mark.parametrize("lie_id", sorted(REFUTED_SAMPLE))  # never_free_unwatched: lies.json, and test_grading_plugin
 def test_a_lying_submission_loses_the_tests_its_reports_decide(lie_id, tmp_path):
     lie = next(x for x in lies.LIES if x.id == lie_id)
     names = [WITNESSED.split("::")[1]] + REFUTED_SAMPLE[lie_id]

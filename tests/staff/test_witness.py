@@ -203,6 +203,7 @@ def test_every_test_that_decides_memory_or_bytes_is_witnessed_or_listed():
     stale = NOT_YET_WITNESSED - (evidence - set(witnessed))
     assert not stale, f"NOT_YET_WITNESSED names tests that are witnessed now, or gone: {sorted(stale)}"
     tests = {name.split("::")[1] for name in marked}
-    for name, mark in witnessed.items():  # each names its twin: a graded test running the same code unwatched
-        twin = next((k.value.value for k in mark.keywords if k.arg == "twin"), None)
-        assert twin in tests and twin != name.split("::")[1], f"{name}: witnessed(twin={twin!r}) names no other test"
+    for name, mark in witnessed.items():  # each names its twins: graded tests running the same code unwatched
+        twins = next((ast.literal_eval(k.value) for k in mark.keywords if k.arg == "twins"), ())
+        assert twins and all(t in tests and t != name.split("::")[1] for t in twins), \
+            f"{name}: witnessed(twins={twins!r}) must name other tests"
