@@ -91,6 +91,60 @@ def _all_reduce(lie: bool) -> None:
 VARIANTS = {"never frees": _never_free, "all-reduces": _all_reduce}
 
 
+def _never_free_in_shared_memory() -> None:
+    """Issue 32's lie: the reference, except that each gathered buffer lives in a new piece of an unlinked /dev/shm
+    file mapped MAP_SHARED, "freed" with MADV_DONTNEED. The storages really read 0 bytes and resident memory
+    falls, but the pages stay in the file: nothing is freed (Shmem rose 197 MiB, VmHWM at the reference's level)."""
+    import mmap
+    import os
+    from fsdp_assignment.reference import task2_flat_param as t2
+    path = f"/dev/shm/fsdp-witness-lie-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(path)
+    pieces = {"end": 0, "maps": []}
+
+    def alloc_unsharded(self):
+        if self.is_unsharded():
+            return
+        nbytes = -(-self.padded_numel * self.unsharded.element_size() // mmap.PAGESIZE) * mmap.PAGESIZE
+        os.ftruncate(fd, pieces["end"] + nbytes)
+        piece = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, offset=pieces["end"])
+        pieces["end"] += nbytes
+        pieces["maps"].append(piece)
+        self.unsharded.data = torch.frombuffer(piece, dtype=self.unsharded.dtype, count=self.padded_numel)
+
+    def free_unsharded(self):
+        for piece in pieces["maps"]:
+            piece.madvise(mmap.MADV_DONTNEED)
+        empty = torch.empty(self.padded_numel, dtype=self.unsharded.dtype)  # never touched: nothing resident
+        empty.untyped_storage().resize_(0)
+        self.unsharded.data = empty
+
+    t2.FlatParameter.alloc_unsharded, t2.FlatParameter.free_unsharded = alloc_unsharded, free_unsharded
+
+
+def _shared_memory_body(rank, world_size):
+    _never_free_in_shared_memory()
+    return _memory_states(rank, world_size)
+
+
+def test_memory_hidden_in_a_dropped_shared_mapping_is_the_kernels():
+    """Issue 32 (item 2): what the rank holds in tmpfs pages it no longer maps counts (its memory cgroup's shmem),
+    where a cgroup can be made; the ranks' reports pass, the kernel's count does not."""
+    from tests.rank_cgroup import RankCgroup
+    probe = RankCgroup.create(f"fsdp-probe-{__import__('os').getpid()}")
+    if probe is None:
+        pytest.skip("no memory cgroup can be made here: the witness reads /proc alone")
+    probe.remove()
+    witness = witness_bounds(WITNESS_CFG, WORLD_SIZE)
+    results = run_ranks(_shared_memory_body, WORLD_SIZE, witness=witness)
+    with pytest.raises(RankFailure) as lying:
+        check_memory_states(results, witness)
+    message = str(lying.value)
+    assert lying.value.kind == "witness" and "resident memory" in message and "page tables" in message, message
+    assert "What the ranks reported failed" not in message, message  # the reports themselves passed
+
+
 def _graded_body(rank, world_size, variant, lie):
     VARIANTS[variant](lie)
     return _memory_states(rank, world_size)
