@@ -88,7 +88,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.rank_cgroup import RankCgroup
+from tests.rank_cgroup import ProcShmem, RankCgroup
 from tests.rank_isolation import (apply_limits, close_inherited_fds, create_private, drop_privileges,
                                    grader_settings, kill_everything_of, redirect_output, trace_task_calls,
                                    watch_lifeline)
@@ -210,7 +210,8 @@ class Witness:
                 if m["peak_bytes"] > self.peak_bytes:
                     problems.append(
                         f"{where}: the kernel saw its resident memory rise {_mib(m['peak_bytes'])} above its level "
-                        f"when the body started (VmHWM in /proc/<pid>/status{_CGROUP_WORDS if m.get('cgroup') else ''}"
+                        f"when the body started (VmHWM in /proc/<pid>/status"
+                        f"{_CGROUP_WORDS if m.get('beyond_page_tables') else ''}"
                         f"), more than this test's bound of "
                         f"{_mib(self.peak_bytes)}: full parameters or gradients that should have been freed were "
                         f"still alive")
@@ -235,8 +236,8 @@ class Witness:
                 kind="witness", rank=int(problems[0].split(":")[0].split()[1]))
 
 
-_CGROUP_WORDS = (", with what its memory cgroup shows it holds beyond its page tables: shared and tmpfs pages it "
-                 "does not map, socket buffers")
+_CGROUP_WORDS = (", with what it holds beyond its page tables: shared and tmpfs pages it does not map, and socket "
+                 "buffers where it has a memory cgroup")
 
 
 def _mib(n: int) -> str:
@@ -278,9 +279,9 @@ def _read_wchar(pid: int) -> int | None:
 class _KernelSamples:
     """What the parent read about one rank from /proc while it ran (see Witness)."""
 
-    def __init__(self, pid: int, cgroup: "RankCgroup | None" = None):
+    def __init__(self, pid: int, cgroup: "RankCgroup | ProcShmem | None" = None):
         self.pid = pid
-        self.cgroup = cgroup  # its own memory cgroup, where one could be made (tests/rank_cgroup.py)
+        self.cgroup = cgroup  # its own memory cgroup where one could be made, else /proc (tests/rank_cgroup.py)
         self.held_peak = 0  # the most it held at one reading beyond what VmHWM counts (its cgroup's hidden())
         self.idle = _forkserver_rss()  # an upper bound of what it holds when it is forked
         self.first_rss = None  # what it held at the parent's first reading, soon after the fork
@@ -344,7 +345,7 @@ class _KernelSamples:
         # (tmpfs pages it does not map, socket buffers: tests/rank_cgroup.py) at one reading, whichever is more.
         peak = max(self.peak_hwm - self.start_rss, self.held_peak)
         return {"rank": r.rank, "error": error, "peak_bytes": peak, "held_bytes": self.held_peak,
-                "cgroup": self.cgroup is not None and self.cgroup.started,
+                "beyond_page_tables": self.cgroup is not None and self.cgroup.started,
                 "peak_abs_bytes": self.peak_hwm, "start_bytes": self.start_rss, "idle_bytes": self.idle,
                 "first_bytes": self.first_rss or self.idle,
                 "sent_bytes": sent, "samples": self.samples}
@@ -459,7 +460,7 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
                 if cgroup is not None and not cgroup.add(proc.pid):
                     cgroup.remove()
                     cgroup = None
-                ranks[-1].kernel = _KernelSamples(proc.pid, cgroup)
+                ranks[-1].kernel = _KernelSamples(proc.pid, cgroup or ProcShmem(proc.pid))
             os.set_blocking(conn_r.fileno(), False)  # read in pieces, never waiting on a rank (_read_report)
         failure = _collect(ranks, deadline=time.monotonic() + timeout, timeout=timeout,
                            memory_limit_bytes=memory_limit_bytes)
