@@ -12,7 +12,8 @@ The parent makes the cgroup and moves the rank into it before the body runs (the
 before its body); everything the rank starts stays in it. A rank running as the unprivileged rank user cannot
 leave it (cgroup files are root's, and the rank's seccomp filter refuses new namespaces). Where no cgroup can be
 made (not root, a read-only cgroup file system as in a Gradescope container, or cgroup v2, whose memory.peak
-resets only as seen through one open file), ``RankCgroup.create`` returns None and the witness reads /proc alone.
+resets only as seen through one open file), ``RankCgroup.create`` returns None and ``ProcShmem`` counts what
+/proc shows instead: the tmpfs and shared memory files the rank holds open or mapped (not socket buffers).
 """
 
 from __future__ import annotations
