@@ -75,7 +75,8 @@ class FlatParameter:
         raise NotImplementedError("Task 2: implement FlatParameter.is_unsharded() in fsdp_assignment/task2_flat_param.py (see its docstring)")
 
     def alloc_unsharded(self) -> None:
-        """Give ``unsharded`` storage for ``padded_numel`` elements (contents undefined until filled)."""
+        """Give ``unsharded`` storage for exactly ``padded_numel`` elements of its own dtype (``param_dtype``
+        under mixed precision), no more: the tests measure its bytes. Contents undefined until filled."""
         raise NotImplementedError("Task 2: implement FlatParameter.alloc_unsharded() in fsdp_assignment/task2_flat_param.py (see its docstring)")
 
     def free_unsharded(self) -> None:

@@ -132,7 +132,8 @@ class FlatParameter:
         return self.unsharded.untyped_storage().size() > 0
 
     def alloc_unsharded(self) -> None:
-        """Give ``unsharded`` storage for ``padded_numel`` elements (contents undefined until filled)."""
+        """Give ``unsharded`` storage for exactly ``padded_numel`` elements of its own dtype (``param_dtype``
+        under mixed precision), no more: the tests measure its bytes. Contents undefined until filled."""
         if not self.is_unsharded():
             self.unsharded.untyped_storage().resize_(self.padded_numel * self.unsharded.element_size())
 
