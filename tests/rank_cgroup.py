@@ -3,7 +3,7 @@ the rank, all of it, for the Witness's peak (tests/harness.py).
 
 A rank's resident memory (VmHWM, /proc/<pid>/status) misses what it holds outside its page tables: pages of a
 ``/dev/shm`` file mapped ``MAP_SHARED`` and dropped with ``MADV_DONTNEED`` stay in the file (issue 32: Shmem rose
-197 MiB while VmHWM stayed at the reference's level) and socket buffers. A memory cgroup is charged for them
+197 MiB while VmHWM stayed at a correct implementation's level) and socket buffers. A memory cgroup is charged for them
 (measured here, cgroup v1: 200 MiB of an unlinked /dev/shm mapping written and dropped showed as ``shmem`` in
 ``memory.stat``, 92 MiB of unix socket buffers in ``memory.kmem``), and the kernel keeps kernel memory's peak
 itself, between the parent's readings too; tmpfs pages stay until they are really freed, so readings see them.
@@ -28,8 +28,8 @@ class RankCgroup:
     """One rank's memory cgroup: ``add(pid)``, ``start()`` when its body starts, then ``hidden()``: what it holds
     that its resident memory does not show.
 
-    Not the cgroup's whole charge: a forked rank's writes to pages it shares with the forkserver (reference
-    counts of the modules it imported) are charged as new pages while its resident memory stays (PyTorch's FSDP2
+    Not the cgroup's whole charge: a forked rank's writes to pages it shares with the forkserver (the
+    refcounts of the modules it imported) are charged as new pages while its resident memory stays (PyTorch's FSDP2
     step: +33 MiB charged over a 204 MiB rise), and the tests' bounds are resident memory's. What resident memory
     misses is counted on top of it: shared and tmpfs pages not mapped now, and kernel memory (``memory.kmem``:
     unix socket buffers among it). Not TCP socket buffers (``memory.kmem.tcp``): gloo's own connections to the
@@ -118,7 +118,7 @@ class ProcShmem:
     /proc/<pid>/map_files (root: the grader); without it only open descriptors and named paths are seen.
 
     Each reading lists descriptors and mappings, so it runs every ``EVERY``-th sample only: pages in a tmpfs file
-    stay until they are really freed (truncated, or the last reference gone), so a later reading still sees them."""
+    stay until they are really freed (truncated, or the last handle gone), so a later reading still sees them."""
 
     EVERY = 10  # the parent samples every 5 ms: a listing every 50 ms
 
