@@ -34,9 +34,9 @@ def test_meta_init_replays_the_rng_exactly():
             f"bf16 or fp64 model stays bf16 or fp64, integer and boolean buffers stay integer and boolean")
         for pname, p in eager.named_parameters(remove_duplicate=False):
             assert torch.equal(got["params"][pname], p), (
-                f"{name}: parameter {pname} differs from eager init under the same seed: replay every module's "
-                f"reset_parameters() in module pre-order, tied weights' later owners included (they consumed "
-                f"random numbers in eager init too)")
+                f"{name}: parameter {pname} differs from eager init under the same seed: values must equal eager "
+                f"init's, every module and tied weights' later owners included (they consumed random numbers in "
+                f"eager init too; Task 1's contract, hints/task1/01-replay-order)")
         assert set(got["buffers"]) == {k for k, _ in eager.named_buffers()}, f"{name}: buffers {sorted(got['buffers'])}"
         for k, v in eager.named_buffers():
             assert torch.equal(got["buffers"][k], v), f"{name}: buffer {k} differs from eager init"

@@ -104,8 +104,8 @@ def test_sharded_meta_init_replays_the_rng_exactly():
             for desc in got["flat"]:
                 assert torch.equal(desc["shard"], expected_shard(desc, full)), (
                     f"{name}, rank {rank}: the shard of unit '{desc['prefix'] or '<root>'}' differs from eager "
-                    f"init under the same seed: replay every module's reset_parameters() in module pre-order, "
-                    f"tied weights' later owners included (they consumed random numbers in eager init too)")
+                    f"init under the same seed: values must equal eager init's, tied weights' later owners included "
+                    f"(they consumed random numbers in eager init too; Task 1's contract, hints/task1/01-replay-order)")
             for k, v in eager.named_buffers():
                 assert torch.equal(got["buffers"][k], v), f"{name}, rank {rank}: buffer {k} differs from eager init"
             assert torch.equal(got["after"], after), (
