@@ -50,8 +50,8 @@ BUNDLE_GLOBS = (
     "tests/__init__.py",
     "tests/conftest.py",
     "tests/harness.py",
-    "tests/rank_isolation.py",
-    "tests/rank_cgroup.py",
+    "tests/harness_*.py",  # the harness's rooms (starting ranks, the witness, ...)
+    "tests/rank_*.py",     # what runs inside and around a rank (isolation, cgroup, audit)
     "tests/points.py",
     "tests/public/*.py",
     "tests/hidden/*.py",
@@ -62,6 +62,7 @@ BUNDLE_GLOBS = (
     "staff/autograder/grading_limits.py",
     "staff/autograder/grading_results.py",
     "staff/autograder/grade.py",
+    "staff/autograder/intake.py",  # which files of a submission provide the task files (grade.py, review.py)
     "staff/autograder/student_limits.py",  # the per-student memory watch the grading plugin runs
     "staff/autograder/cleanup.py",  # what is removed after every test (grading_plugin.py, grade.py)
     "staff/autograder/sanitize.py",  # every line the grader prints and every output in results.json

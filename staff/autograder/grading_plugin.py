@@ -331,7 +331,10 @@ def failure_text(excinfo, report, task: int) -> str:
     return text
 
 
-HARNESS_FILES = ("harness.py", "rank_isolation.py", "rank_cgroup.py")  # tests/: run_ranks and what it does to a rank
+def is_harness_file(path) -> bool:
+    """tests/harness.py, its rooms (tests/harness_*.py) and what runs in and around a rank (tests/rank_*.py)."""
+    name = Path(str(path)).name
+    return name == "harness.py" or name.startswith(("harness_", "rank_")) and name.endswith(".py")
 
 
 def check_error_text(excinfo, report) -> str:
@@ -341,7 +344,7 @@ def check_error_text(excinfo, report) -> str:
     exc = excinfo.value
     kind = type(exc).__name__
     in_tests = [e.path for e in excinfo.traceback if e.path is not None and "tests" in Path(str(e.path)).parts]
-    if in_tests and Path(str(in_tests[-1])).name in HARNESS_FILES:
+    if in_tests and is_harness_file(in_tests[-1]):
         # Raised by run_ranks itself (its set-up or clean-up: a leftover an earlier test's ranks made, the
         # machine), not by the test's check: no rank's output is at fault, and none is named (issue 32: a
         # RecursionError from removing a leftover tree read "rank 2's results", the harness's own loop variable).
@@ -351,7 +354,7 @@ def check_error_text(excinfo, report) -> str:
     rank, line = None, ""
     for entry in reversed(excinfo.traceback):
         try:
-            if entry.path is not None and Path(str(entry.path)).name in HARNESS_FILES:
+            if entry.path is not None and is_harness_file(entry.path):
                 continue  # the harness's own variables (its loop over ranks) say nothing about the results
             if rank is None and isinstance(entry.frame.f_locals.get("rank"), int):
                 rank = entry.frame.f_locals["rank"]

@@ -6,7 +6,7 @@ group, found statically (``ast``) in the submitted task files, with file and lin
     python -m staff.autograder.review fsdp_assignment/task3_forward.py ...   # some files
 
 A SUBMISSIONS folder holds one entry per student: a zip (``make_submission.sh``'s) or a folder; its task files are
-found exactly as the grading command finds them (``grade.find_submitted``, ``grade.find_in_zips``).
+found exactly as the grading command finds them (``intake.find_submitted``, ``intake.find_in_zips``).
 
 What is flagged (each a ``kind``): ``frame`` (frame or stack inspection, tracing hooks), ``gc`` (walking the
 garbage collector's objects), ``ctypes``, ``mmap`` (shared or file mappings, memfd, shared_memory), ``path``
@@ -224,7 +224,7 @@ def review_submission(entry: Path, wanted: list[str]) -> list[dict]:
     chooses them (a zip is read in memory through the same bounded reader, never extracted)."""
     import shutil
     import tempfile
-    from .grade import MAX_ZIP_BYTES, find_in_zips, find_submitted
+    from .intake import MAX_ZIP_BYTES, find_in_zips, find_submitted
     if entry.is_dir():
         found, _ = find_submitted(entry, wanted)
         missing = [w for w in wanted if w not in found]
@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a folder of submissions (a zip or a folder each), or task files")
     parser.add_argument("--json", type=Path, default=None, help="also write {submission: [flags]} here")
     args = parser.parse_args(argv)
-    from .grade import TREE, task_files
-    wanted = task_files(TREE)
+    from .intake import task_files
+    wanted = task_files(Path(__file__).resolve().parents[2])
     report: dict[str, list[dict]] = {}
     for path in args.paths:
         if path.is_file() and path.suffix == ".py":

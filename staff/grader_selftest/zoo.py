@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from staff.autograder import grade, results_schema
 from staff.grader_selftest import mutations
+from staff.grader_selftest.zoo_processes import TAG_VAR, kill_tagged, tagged_processes  # noqa: F401
 from staff.grader_selftest.zoo_forgeries import FORGE, ISSUE14_HELPERS, RED_TEAM_HELPERS, STUB_FORGERY
 from staff.grader_selftest.zoo_hangs import (HANG_CASES, HangCase, hang_case_files, inject_at_start,  # noqa: F401
                                              run_hang_case)
@@ -41,7 +41,6 @@ from staff.grader_selftest.zoo_hangs import (HANG_CASES, HangCase, hang_case_fil
 HERE = Path(__file__).resolve().parent
 
 ROOT = HERE.parents[1]
-TAG_VAR = "FSDP_ZOO_TAG"        # grade.py passes FSDP_ZOO_* through to pytest and so to every rank
 RESULTS_VAR = "FSDP_ZOO_RESULTS"  # where a forging submission would write (the grader's own results path)
 GLOBAL_TIMEOUT_S = 900            # grade.py's kill: far above a case's 10-20 s quiet, so only a real hang hits it
 
@@ -266,27 +265,6 @@ def hidden_lines(root: Path = ROOT) -> set[str]:
 
 
 # ---- processes -------------------------------------------------------------------------------------------
-def tagged_processes(tag: str) -> list[tuple[int, str]]:
-    """(pid, command line) of every live process whose environment holds TAG_VAR=tag."""
-    needle = f"{TAG_VAR}={tag}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                found.append((int(entry), f.read().replace(b"\0", b" ").decode(errors="replace")[:200]))
-        except OSError:
-            continue
-    return found
-
-
 def leftovers_of(user: str) -> list[str]:
     """What the rank user still owns after a grading run: System V IPC objects, files in world-writable places."""
     import pwd
@@ -310,14 +288,6 @@ def leftovers_of(user: str) -> list[str]:
         if mine:
             problems.append(f"files of {user} left in {place}: {mine[:5]}")
     return problems
-
-
-def kill_tagged(tag: str) -> None:
-    for pid, _ in tagged_processes(tag):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 # ---- running a case ---------------------------------------------------------------------------------------

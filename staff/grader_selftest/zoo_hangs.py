@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 from staff.autograder import grade
 from staff.autograder.grading_limits import TIMES_FILE
 from staff.grader_selftest import mutations
+from staff.grader_selftest.zoo_processes import TAG_VAR, kill_tagged, tagged_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,7 +91,6 @@ def hang_case_files(case: HangCase, root: Path = ROOT, *, twin: bool = False) ->
 
 def _grade_files(files: dict[str, str], tree: Path, results: Path, timeout: float, root: Path,
                  pytest_args: list[str] | None = None) -> tuple:
-    from staff.grader_selftest.zoo import TAG_VAR, kill_tagged, tagged_processes  # (zoo imports this module)
     mutations.stage_tree(tree, files, root)
     tag = uuid.uuid4().hex
     cmd = grade.command("--results", str(results), "--rank-user", "none", "--timeout", f"{timeout:g}",
