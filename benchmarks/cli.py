@@ -254,6 +254,16 @@ def leave_process_group_together() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    # Then leave without running C++ static destructors: even after the group is destroyed, a rank on the second
+    # namespace once died in teardown with "terminate called without an active exception" (SIGABRT: a std::thread of
+    # the rendezvous store destroyed while joinable), and the other node's agent then waited out its 300 s exit
+    # barrier (CI, 2026-11-26). Every result is written and flushed by now; exit code 0 is what torchrun records.
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_script(main) -> None:
