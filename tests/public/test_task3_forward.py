@@ -8,6 +8,7 @@ import torch
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, ToyMLP
 from tests.harness import run_ranks
+from tests.public.collectives import use_counted_collectives
 from tests.public.common import assert_close, hand_shard_gpt, local_batch, rank_device, unsharded_storage_sizes
 
 pytestmark = pytest.mark.task3
@@ -80,3 +81,50 @@ def test_forward_matches_single_process(world_size, reshard_after_forward):
         else:
             assert all(s > 0 for s in got["sizes"]), \
                 f"rank {rank}: with reshard_after_forward=False units stay unsharded after forward ({got['sizes']})"
+
+
+def _late_regather(rank, world_size):
+    # Collectives finish late, as on a GPU: an asynchronous all-gather's output holds NaN until its handle is
+    # waited on, and only then receives the data (tests/public/collectives.py).
+    use_counted_collectives(late=True)
+    torch.manual_seed(0)
+    block = ToyMLP().blocks[0]
+    names = [n for n, p in block.named_parameters() if p.requires_grad]
+    fp = adapters.make_flat_param(block, names, rank, world_size)
+    adapters.unshard(fp)
+    fp.use_unsharded_views()
+    x = torch.randn(2 * world_size, 29, generator=torch.Generator().manual_seed(3))[2 * rank:2 * (rank + 1)]
+    x.requires_grad_(True)
+    y = block(x)  # autograd saves views of the gathered buffer for backward
+    adapters.reshard(fp)
+    work = adapters.unshard(fp, async_op=True)  # refilled by a gather that completes only at wait()
+    work.wait()
+    try:
+        y.square().sum().backward()
+    except RuntimeError as e:
+        return {"error": str(e).splitlines()[0]}
+    grad = fp.unsharded.grad
+    return {"error": None, "x_grad": x.grad, "flat_grad": None if grad is None else grad[:fp.numel].clone()}
+
+
+def test_saved_views_survive_an_async_gather_that_completes_late():
+    # A backward after the buffer was freed and refilled by unshard(async_op=True): the views autograd saved in
+    # forward must see the refilled data and stay usable, however late the gather completes (Task 6 prefetches
+    # with exactly such gathers).
+    world_size = 2
+    results = run_ranks(_late_regather, world_size)
+    torch.manual_seed(0)
+    block = ToyMLP().blocks[0]
+    x = torch.randn(2 * world_size, 29, generator=torch.Generator().manual_seed(3))
+    for rank, got in enumerate(results):
+        assert got["error"] is None, (
+            f"rank {rank}: backward through views saved in forward failed after the buffer was freed and refilled "
+            f"by unshard(async_op=True) + wait(), with a gather that completes only at wait(): {got['error']}. "
+            f"Views autograd saved stay usable whenever the gather completes, not only inside the call")
+        xs = x[2 * rank:2 * (rank + 1)].clone().requires_grad_(True)
+        block.zero_grad()
+        block(xs).square().sum().backward()
+        assert_close(got["x_grad"], xs.grad, f"rank {rank}: the input's gradient (through the refilled views)")
+        flat = torch.cat([p.grad.reshape(-1) for p in block.parameters() if p.requires_grad])
+        assert got["flat_grad"] is not None, f"rank {rank}: no gradient reached unsharded.grad through the views"
+        assert_close(got["flat_grad"], flat, f"rank {rank}: unsharded.grad (the parameters' gradients, flattened)")
