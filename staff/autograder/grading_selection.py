@@ -42,6 +42,12 @@ def bonus_of(item) -> str | None:
     return None if marker is None else str(marker.args[0] if marker.args else "bonus")
 
 
+def part_of(task, bonus: str | None):
+    """The part of the grading budget a test's time is charged to (grading_limits.TimeLimits): its task, or its
+    own bonus ("bonus:hsdp"), so that one bonus's failures never leave another bonus's tests unrun."""
+    return f"{BONUS}:{bonus}" if task == BONUS and bonus else task
+
+
 def task_order(task) -> tuple[int, int]:
     """Sort key of a task: 1..7 in order, the bonus after them."""
     return (1, 0) if task == BONUS else (0, task)
@@ -85,17 +91,13 @@ class Record:
         self.call_passed = False
         self.duration = 0.0
         self.notes: list[str] = []
-        # What the test's verdict rests on that the ranks report about themselves (marker evidence("memory",
-        # "bytes")), and why the kernel's witness refuted it in this run ("" while it stands): see Grader.refute.
+        # The properties the test decides (marker evidence("memory", "bytes")), each judged by the kernel's witness
+        # of this test's own run: its failure fails this test and no other.
         self.evidence = evidence_of(item)
-        self.refuted = ""
-        # A test whose run the kernel watches (marker witnessed(twins=(...))): the graded tests that run the same code
-        # unwatched. Failing the watched run while passing one of them refutes both properties (Grader.fail_closed).
-        self.witnessed_twins = next((tuple(m.kwargs.get("twins", ())) for m in item.iter_markers("witnessed")), ())
 
     @property
     def passed(self) -> bool:
-        return self.state == "done" and self.call_passed and self.failed_phase is None and not self.refuted
+        return self.state == "done" and self.call_passed and self.failed_phase is None
 
     @property
     def name(self) -> str:
@@ -168,7 +170,7 @@ class Selection:
             rec = self.records[nodeid]
             per_task[rec.task] = per_task.get(rec.task, 0) + 1
             rec.number = f"{self.bonus_number if rec.task == BONUS else rec.task}.{per_task[rec.task]}"
-        self.limits.plan([(n, self.records[n].task) for n in self.order])
+        self.limits.plan([(n, part_of(self.records[n].task, self.records[n].bonus)) for n in self.order])
         self.limits.set_backstops(session.items, self.records)
         self.write()
 

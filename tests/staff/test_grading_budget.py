@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,7 +78,9 @@ def test_shares_follow_what_each_task_needs_at_load_10():
     limits = TimeLimits(Config(), budget=480)
     limits.enabled = True
     limits.times = {"a": {"seconds": 10.0}, "b": {"seconds": 0.1}, "c": {"seconds": 2.0}}
-    assert limits.limit("a") == 150.0 and limits.limit("b") == 30.0
+    # The same margin for every test: 30 x (its time + 1 s of start-up), 30 s for the quickest.
+    assert limits.limit("a") == pytest.approx(330.0) and limits.limit("b") == pytest.approx(33.0)
+    assert limits.limit("a") / (10.0 + 1) == pytest.approx(limits.limit("b") / (0.1 + 1))
     limits.plan([("a", 1), ("b", 2), ("c", 2)])
     # needs (each test counts at least 2 s): task 1 10 x 10 = 100; task 2 10 x 2 + 10 x 2 = 40
     # -> shares 480 x 100/140 and 480 x 40/140
@@ -239,10 +242,10 @@ def test_a_function_that_hangs_in_every_test_is_probed_three_times_then_not_run(
                    FAKE_PLAN="1a,1b,1c,1d")
     assert tests["test_1a"]["status"] == "failed"
     assert f"{BLAMED} hung here" in tests["test_1a"]["output"]
-    assert "time limit: 30 s" in tests["test_1a"]["output"] and "note: a probe" not in tests["test_1a"]["output"]
-    for name in ("test_1b", "test_1c"):  # probes: run with 12 s (the floor), and they hang too
+    assert "time limit: 33 s" in tests["test_1a"]["output"] and "note: a probe" not in tests["test_1a"]["output"]
+    for name in ("test_1b", "test_1c"):  # probes: run with 12 x (0.1 + 1) s, and they hang too
         out = tests[name]["output"]
-        assert tests[name]["status"] == "failed" and "time limit: 12 s" in out, out
+        assert tests[name]["status"] == "failed" and "time limit: 13 s" in out, out
         assert f"note: a probe: {BLAMED} hung in test_fake.py::test_1a" in out, out
         assert "timed out after 3 s" in out, out  # it ran (the fake hang's message)
     skipped = tests["test_1d"]
@@ -251,7 +254,7 @@ def test_a_function_that_hangs_in_every_test_is_probed_three_times_then_not_run(
         f"not run: {BLAMED} hung in 3 tests (test_fake.py::test_1a, test_fake.py::test_1b, test_fake.py::test_1c) "
         f"and no test that calls them has passed since"), skipped["output"]
     # 1e calls only the victim: not a probe, its full limit, graded as usual
-    assert tests["test_1e"]["status"] == "passed" and "time limit: 30 s" in tests["test_1e"]["output"]
+    assert tests["test_1e"]["status"] == "passed" and "time limit: 33 s" in tests["test_1e"]["output"]
     assert "note: a probe" not in tests["test_1e"]["output"]
     assert tests["test_2a_passes"]["status"] == "passed", tests["test_2a_passes"]["output"]
     assert "in 3 test(s)" in tests["_stdout"] and "0 later caller(s) passed" in tests["_stdout"]
@@ -282,13 +285,102 @@ def test_a_task_that_loses_its_share_to_hangs_runs_no_more_tests(tmp_path):
     tests = _grade(tree, "--grade-budget", "100", FAKE_HANG_IN="task1_meta_init.py:my_own_helper", FAKE_WAIT="2",
                    FAKE_PLAN="1a,1b,1c")
     assert tests["test_1a"]["status"] == "failed"
-    assert "time limit: 30 s" in tests["test_1a"]["output"], tests["test_1a"]["output"]  # the floor
+    assert "time limit: 33 s" in tests["test_1a"]["output"], tests["test_1a"]["output"]
     for name in ("test_1b", "test_1c", "test_1d", "test_1e"):
         body = tests[name]["output"].split("\n\n")[1]
-        assert body.startswith("not run: Task 1's earlier tests that failed took "), body
-        assert "its share of the grading time (1 s of 100 s" in body, body
+        assert body.startswith("not run, for time: this test was not started, so it was not graded; nothing in it "
+                               "failed. Task 1's tests that failed before it (test_fake.py::test_1a"), body
+        assert "which is Task 1's share of the grading time (1 s of 100 s)" in body, body
+        assert "make those tests pass, or fail faster" in body, body
     assert tests["test_2a_passes"]["status"] == "passed", tests["test_2a_passes"]["output"]
-    assert "task shares of the budget" in tests["_stdout"]
+    assert "shares of the budget" in tests["_stdout"]
+
+
+BONUS_POINTS = POINTS + "BONUS_POINTS = 10\n"
+BONUS_TESTS = {
+    "test_bonus_hsdp.py": '''
+import os, time
+import pytest
+
+pytestmark = pytest.mark.bonus("hsdp")
+
+
+@pytest.mark.weight(4)
+def test_hsdp_2x2():
+    time.sleep(float(os.environ["FAKE_WAIT"]))  # fails slowly: a hang until its collective timeout
+    raise AssertionError("all-gather bytes per step 231348; the formula 2 (K-1)/K P gives 231344")
+
+
+@pytest.mark.weight(2)
+def test_hsdp_degenerate():
+    raise AssertionError("fails fast")
+''',
+    "test_bonus_offload.py": '''
+import pytest
+
+pytestmark = pytest.mark.bonus("cpu_offload")
+
+
+@pytest.mark.weight(4)
+def test_cpu_offload():
+    pass
+''',
+}
+
+
+def test_each_bonus_is_graded_on_its_own_clock(tmp_path):
+    """Issue 36: the CPU offload test (4.00/4.00 alone) was "not run" because the HSDP tests had failed slowly
+    first, and the bonuses shared one share of the budget. Each bonus has its own now: the HSDP tests fail slowly
+    and spend HSDP's share (its second test is not run, saying why in words a student can act on), and the offload
+    test, after them, is graded and passes."""
+    # Needs: task 1 at 10 x 1000 s; each bonus test at 10 x 2 s (the floor). Budget 100 s -> HSDP's share is
+    # 100 x 40 / 10060 = 0.4 s, the offload's 0.2 s (one share of 0.6 s for both before), and HSDP's first test
+    # fails after 1 s.
+    (tmp_path / "tests" / "public").mkdir(parents=True)
+    (tmp_path / "tests" / "points.py").write_text(BONUS_POINTS)
+    (tmp_path / "tests" / "public" / "test_fake.py").write_text(TESTS)
+    for name, text in BONUS_TESTS.items():
+        (tmp_path / "tests" / "public" / name).write_text(text)
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\nmarkers = ["task1: one", "bonus(n): b"]\n')
+    fast = {"seconds": 0.1, "calls": []}
+    times = {f"tests/public/test_fake.py::test_1{c}": {"seconds": 1000.0 if c == "a" else 0.1, "calls": []}
+             for c in "abcde"}
+    times |= {f"tests/public/{f}::{t}": fast for f, t in (("test_bonus_hsdp.py", "test_hsdp_2x2"),
+                                                          ("test_bonus_hsdp.py", "test_hsdp_degenerate"),
+                                                          ("test_bonus_offload.py", "test_cpu_offload"))}
+    (tmp_path / "times.json").write_text(json.dumps({"tests": times}))
+    tests = _grade(tmp_path, "--grade-budget", "100", FAKE_WAIT="1")
+    assert tests["test_hsdp_2x2"]["status"] == "failed" and "231348" in tests["test_hsdp_2x2"]["output"]
+    offload = tests["test_cpu_offload"]
+    assert offload["status"] == "passed" and offload["score"] == pytest.approx(4.0), offload["output"]
+    body = tests["test_hsdp_degenerate"]["output"].split("\n\n")[1]
+    assert body.startswith("not run, for time: this test was not started, so it was not graded; nothing in it "
+                           "failed. The HSDP bonus's tests that failed before it (test_bonus_hsdp.py::test_hsdp_2x2) "
+                           "took 1 s, which is that bonus's share of the grading time (0 s of 100 s)"), body
+    assert "make those tests pass, or fail faster" in body, body
+    assert "bonus:hsdp: 1/0" in tests["_stdout"] and "bonus:cpu_offload: 0/0" in tests["_stdout"], tests["_stdout"]
+
+
+def test_the_handout_says_when_a_test_is_not_run_and_its_time_limit_as_the_grader_decides():
+    """handout/grading.typ states the grader's rules with its numbers: the time limit and a probe's (the same margin
+    for every test), the three hangs, each bonus's own share; and the grader's reasons for "not run" are the three
+    the handout lists (the hang, the share, the whole run's time)."""
+    from staff.autograder import grading_limits as gl
+    text = " ".join((ROOT / "handout" / "grading.typ").read_text().split())
+    assert f"A test may run {gl.TEST_TIMEOUT_FACTOR:g} × ($t$ + {gl.STARTUP_S:g} s)" in text
+    assert f"run {gl.TEST_TIMEOUT_FACTOR:g} times slower than quiet" in text
+    assert f"a shorter limit, {gl.PROBE_FACTOR:g} × ($t$ + {gl.STARTUP_S:g} s)" in text
+    assert gl.HANG_CONFIRMATIONS == 3 and "hung in three different tests" in text
+    assert "scores 0 without running in exactly three cases" in text and "each bonus on its own" in text
+    code = "".join((ROOT / "staff" / "autograder" / name).read_text()
+                   for name in ("grading_plugin.py", "grading_limits.py", "grading_results.py"))
+    reasons = set(re.findall(r'f?"(not run[:,][^"{]*)', code)) - {"not run: <function> hung in <tests>"}  # (a doc)
+    assert reasons == {
+        "not run: ",  # (1) "not run: <function> hung in 3 tests ..."
+        "not run, for time: this test was not started, so it was not graded; nothing in it failed. ",  # (2)
+        "not run: the grading time budget (", "not run: the run stopped early (",  # (3) the whole run
+        "not run: the grading run was stopped before this test ran (a global time limit or a crash); "}, reasons
+    assert "(3) The whole run stopped before the test started (its time ran out, or it crashed)." in text
 
 
 # ---- real hanging submissions, graded in full (slow: whole grading runs) -------------------------------------
