@@ -1,0 +1,217 @@
+"""The rank side (tests/harness.py's room for steps 2-4 as a rank lives them): everything here runs in a rank
+process, forked from the forkserver. ``_rank_main`` is the rank's whole life (its session, lifeline, output and
+stack files, its report down the pipe, its exit); ``_run_body`` sets up the environment, joins the default process
+group, applies the limits (tests/rank_isolation.py), runs the body and meets the others at the closing barrier.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import io
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import threading
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tests.harness_report import _LENGTH_BYTES, _first_line
+from tests.rank_isolation import (apply_limits, close_inherited_fds, create_private, drop_privileges,
+                                   redirect_output, trace_task_calls, watch_lifeline)
+
+_body_code = None  # the body's code object, once found: where a rank's traceback starts
+
+
+def _rank_main(config: dict, conn, lifeline, ack=None) -> None:
+    """A rank's whole life. It never returns: it ends with os._exit, so no atexit handler or leftover thread
+    of the body can keep it alive or change its exit code."""
+    close_inherited_fds(keep={conn.fileno(), lifeline.fileno()} | ({ack.fileno()} if ack is not None else set()))
+    os.setsid()  # own process group: the parent kills it, and everything it spawns, with one killpg
+    threading.Thread(target=watch_lifeline, args=(lifeline,), name="harness-lifeline", daemon=True).start()
+    # Both files are created here, in the parent's directory (the rank user cannot write there), before the
+    # rank drops privileges: the body writes through the descriptors and cannot replace the files.
+    redirect_output(config["out_path"])
+    stack_file = os.fdopen(create_private(config["stack_path"]), "w")
+    import faulthandler
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults, aborts: stacks into the output file
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
+    # The report is data for the parent to check, not a verdict: nothing here needs protecting from the body
+    # (see the module docstring, step 4).
+    fd = conn.fileno()
+    try:
+        message = {"kind": "result", "result": _run_body(config, _sendable, fd, ack)}
+    except (_BadResult, _PeerLost, _GroupDestroyed) as e:  # the harness's own words; no traceback needed
+        status = {_BadResult: "bad-result", _PeerLost: "peer-lost", _GroupDestroyed: "group-destroyed"}[type(e)]
+        message = {"kind": "error", "status": status, "type": type(e).__name__, "message": str(e), "traceback": ""}
+    except BaseException as e:  # SystemExit and KeyboardInterrupt too: only a return counts
+        message = {"kind": "error", "status": "raised", "type": type(e).__name__, "message": str(e),
+                   "traceback": _format_traceback(e)}
+    try:
+        buf = io.BytesIO()
+        torch.save(message, buf)
+        data = memoryview(len(buf.getvalue()).to_bytes(_LENGTH_BYTES, "big") + buf.getvalue())
+        while data:
+            data = data[os.write(fd, data):]
+    except BaseException:
+        traceback.print_exc()
+        code = 3
+    else:
+        code = 0 if message["kind"] == "result" else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if ack is not None and code in (0, 1):
+        # After a result or an error report alike (a witnessed run that fails is read to its end too: evidence
+        # fails closed), the parent reads our kernel counters one last time, then lets us go (a byte, or EOF).
+        try:
+            os.read(ack.fileno(), 1)
+        except OSError:
+            pass
+    os._exit(code)
+
+
+def _run_body(config: dict, sendable, report_fd: int | None = None, ack=None):
+    rank, world_size, backend = config["rank"], config["world_size"], config["backend"]
+    # The parent's environment at the time of the call, plus what a rank needs. TMPDIR and HOME: the body's own
+    # directory, removed with the run (nothing the body writes there outlives the test).
+    os.environ.clear()
+    os.environ.update(config["env"])
+    body_tmp = os.path.join(config["rank_dir"], "tmp")
+    os.environ.update(FSDP_RANK_PROCESS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                      RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      TMPDIR=body_tmp, HOME=body_tmp)
+    tempfile.tempdir = None  # tempfile caches the directory it found first: look again
+    torch.set_num_threads(1)  # 2 cores and up to 4 ranks: more threads only fight
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    device_id = None
+    if backend == "nccl":  # one GPU per rank; device_id also makes NCCL connect now, not at first use
+        torch.cuda.set_device(rank)
+        device_id = torch.device("cuda", rank)
+    store = dist.FileStore(os.path.join(config["rank_dir"], "store"), world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, device_id=device_id,
+                            timeout=timedelta(seconds=config["collective_timeout"]))
+    # Every rank connected before any body runs: else a fast rank could finish and exit while a slow one is
+    # still connecting to it, and the slow one would fail for no fault of the body.
+    dist.barrier()
+    body = _find_body(config["body_ref"])
+    global _body_code
+    _body_code = getattr(body, "__code__", None)
+    args = pickle.loads(config["args_blob"])
+    apply_limits(config["memory_limit_bytes"], config.get("limits") or {})
+    if config.get("run_as") is not None:  # last: the harness and the test module were set up as ourselves
+        drop_privileges(*config["run_as"])
+    if os.environ.get("FSDP_TRACE_TASK_CALLS"):  # staff/grader_selftest/measure_times.py: which task functions run
+        trace_task_calls(os.environ["FSDP_TRACE_TASK_CALLS"])
+    if config.get("witnessed"):
+        _malloc_returns_big_blocks()
+    if config.get("witnessed") and report_fd is not None:
+        os.write(report_fd, bytes(_LENGTH_BYTES))  # an empty frame: "the body starts now" (the memory baseline)
+        if ack is not None:
+            # Wait until the parent has read our resident memory: the baseline is then exactly the body's start,
+            # however late a loaded parent gets to it (the body has not run a line yet).
+            try:
+                os.read(ack.fileno(), 1)
+            except OSError:
+                pass
+    result = body(rank, world_size, *args)
+    result = sendable(result, "result")
+    if not dist.is_initialized():
+        raise _GroupDestroyed("returned without the default process group: the body (or code it called) "
+                              "destroyed it (dist.destroy_process_group()), so its peers' collectives with this "
+                              "rank could not finish; leave the default group to the harness")
+    try:
+        dist.barrier()  # no rank tears down its connections while a peer may still be reading from them
+    except Exception as e:
+        raise _PeerLost(f"returned, then lost its peers at the closing barrier (another rank failed?): "
+                        f"{_first_line(str(e))}") from None
+    dist.destroy_process_group()
+    return result
+
+
+def _malloc_returns_big_blocks() -> None:
+    """Make glibc give every block of 1 MiB or more its own mapping, unmapped when freed, so that the kernel's
+    resident memory follows the tensors alive (the Witness's peak). By default glibc raises that threshold
+    after the first large free (up to 32 MiB), and keeps later blocks of a unit's size in its heap, where a
+    freed one stays resident: a correct FSDP run would then look as if it never freed anything."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixed: no dynamic adjustment)
+        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD: return a freed heap top to the kernel
+    except (OSError, AttributeError):
+        pass
+
+
+def _format_traceback(e: BaseException) -> str:
+    """The traceback from the body's frame on, when the body is in it: the harness frames above say nothing
+    about the test. (An error while setting up, before the body ran, keeps its whole traceback.)"""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code is not _body_code:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(e), e, tb if tb is not None else e.__traceback__))
+
+
+def _find_body(ref: dict):
+    try:
+        module = importlib.import_module(ref["module"])
+    except ImportError:
+        if not ref["filename"]:
+            raise
+        # pytest's importlib mode: the module is not importable by name, so load it from its file.
+        spec = importlib.util.spec_from_file_location(ref["module"], ref["filename"])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[ref["module"]] = module
+        spec.loader.exec_module(module)
+    found = module
+    for part in ref["qualname"].split("."):
+        found = getattr(found, part)
+    return found
+
+
+class _BadResult(TypeError):
+    """The body's result cannot travel to the parent."""
+
+
+class _PeerLost(RuntimeError):
+    """The body returned, but a peer never reached the end: the peer's failure is the story, not this."""
+
+
+class _GroupDestroyed(RuntimeError):
+    """The body returned, but destroyed the default process group on the way: its peers could not finish."""
+
+
+def _sendable(value, where: str):
+    """The result as the parent will receive it, or _BadResult saying what is wrong and where."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    for plain in (bool, int, float, str):  # exactly these: a subclass (numpy.float64, an enum) would not load
+        if isinstance(value, plain):
+            return plain(value)
+    if isinstance(value, torch.Tensor):
+        # Detached, on CPU (the parent does not touch CUDA), compact (a view of a big buffer sends only
+        # itself), and a plain tensor (a subclass could not be loaded safely).
+        return value.detach().to("cpu").clone().as_subclass(torch.Tensor)
+    if isinstance(value, torch.Size):
+        return torch.Size(value)
+    if isinstance(value, (list, tuple)):
+        items = [_sendable(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, (str, int)):
+                raise _BadResult(f"returned a dict with a key of type {type(k).__qualname__} at {where}: "
+                                 f"keys must be str or int")
+            out[k] = _sendable(v, f"{where}[{k!r}]")
+        return out
+    raise _BadResult(f"returned an object of type {type(value).__module__}.{type(value).__qualname__} at "
+                     f"{where}: a body may return tensors, bool, int, float, str, None, torch.dtype, "
+                     f"torch.Size, and lists, tuples and dicts of these")

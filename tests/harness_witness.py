@@ -1,0 +1,211 @@
+"""The witness (tests/harness.py's room for step 7): memory and bytes as the kernel counts them for each rank,
+read by the parent from /proc while the ranks run (``_KernelSamples``), and the test's bounds on them (``Witness``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tests.harness_report import RankFailure, _regular_file_size
+from tests.rank_cgroup import ProcShmem, RankCgroup
+
+if TYPE_CHECKING:  # annotations only (harness_start imports the rooms that name _Rank)
+    from tests.harness_start import _Rank
+
+WITNESS_SAMPLE_S = 0.005  # how often the parent reads each witnessed rank's /proc files while it runs
+# Writes a rank makes that are not sends to its peers, allowed on top of the test's bound: joining the process
+# group (FileStore writes, gloo's handshakes and barriers; measured 1-8 KiB) and its output (warnings).
+WITNESS_SETUP_SENT_BYTES = 64 << 10
+# The kernel's RSS counters are approximate (per-CPU batches), so VmHWM can read a little lower than a reading
+# before; a reset (clear_refs) drops it to the current RSS, far more than this when it hides a unit's memory.
+WITNESS_HWM_NOISE_BYTES = 4 << 20
+WITNESS_OUTPUT_BYTES = 1 << 20  # at most this much of the output file is subtracted (ftruncate would fake more)
+# What a rank may add between the parent's first reading (soon after the fork) and the start of its body
+# (importing the test module, joining the process group: 5-15 MiB quiet, 35 MiB seen in CI's graded bundle under
+# load). A backstop only: the rank waits before its body until the parent has read its baseline, so no body can
+# make that baseline later or higher; this bounds what setting up, which runs no student code, may add.
+WITNESS_START_ALLOWANCE_BYTES = 128 << 20
+
+
+class Witness:
+    """A test's bounds on what each rank does, checked in the parent against the kernel's own counts.
+
+        w = Witness(peak_bytes=..., sent_bytes=...)
+        results = run_ranks(body, 2, witness=w)       # raises RankFailure (kind "witness") when a bound is broken
+        w.measured[rank]["peak_bytes"], w.measured[rank]["sent_bytes"]
+
+    peak_bytes: how far each rank's resident memory may rise above its level when the body starts. The parent
+    reads VmHWM and VmRSS in /proc/<pid>/status every WITNESS_SAMPLE_S while the rank runs, and once more after
+    its report. A peak that falls between two readings (``echo 5 > /proc/self/clear_refs`` resets it) fails the
+    run; so does a peak above the rank's first reading + WITNESS_START_ALLOWANCE_BYTES + peak_bytes (a
+    backstop: the rank waits before its body until the parent has read its level). Witnessed ranks have glibc unmap every freed block of
+    1 MiB or more (_malloc_returns_big_blocks), so resident memory follows the tensors alive; an idle rank's
+    resident memory moves by about 1-2 MiB, so a bound should be tens of MiB to mean anything.
+    sent_bytes: how many bytes each rank may write in all (``wchar`` in /proc/<pid>/io counts every write,
+    gloo's socket writes from its own threads included), less its report to the parent and its output file,
+    with WITNESS_SETUP_SENT_BYTES for joining the process group.
+    deferred: check only when the test calls ``check()``, after its own asserts on what the ranks reported, and
+    whether they passed or not (``check(reported=...)`` then adds their failure to the message): the kernel is
+    asked in every run, and a failure it finds is a "witness" failure, which the grader carries to every test that
+    decides the same property from the ranks' reports (staff/autograder/grading_plugin.py, refute).
+    """
+
+    def __init__(self, *, peak_bytes: int | None = None, sent_bytes: int | None = None, deferred: bool = False):
+        self.peak_bytes, self.sent_bytes, self.deferred = peak_bytes, sent_bytes, deferred
+        self.measured: list[dict] = []
+
+    def check(self, reported: str = "", run_failure: str = "") -> None:
+        """Raise RankFailure (kind "witness") when a rank broke a bound; ``reported``: how the test's own checks
+        of the ranks' reports failed, if they did; ``run_failure``: how the run itself failed (run_ranks passes
+        it): each is added to the message."""
+        __tracebackhide__ = True
+        problems = []
+        for m in self.measured:
+            where = f"rank {m['rank']}"
+            if m["error"]:
+                problems.append(f"{where}: {m['error']}")
+                continue
+            if self.peak_bytes is not None:
+                if m["peak_bytes"] > self.peak_bytes:
+                    problems.append(
+                        f"{where}: the kernel saw its resident memory rise {_mib(m['peak_bytes'])} above its level "
+                        f"when the body started (VmHWM in /proc/<pid>/status"
+                        f"{_CGROUP_WORDS if m.get('beyond_page_tables') else ''}"
+                        f"), more than this test's bound of "
+                        f"{_mib(self.peak_bytes)}: full parameters or gradients that should have been freed were "
+                        f"still alive")
+                elif m["peak_abs_bytes"] > m["first_bytes"] + WITNESS_START_ALLOWANCE_BYTES + self.peak_bytes:
+                    problems.append(
+                        f"{where}: the kernel saw its resident memory peak at {_mib(m['peak_abs_bytes'])}, more "
+                        f"than the rank held just after it started ({_mib(m['first_bytes'])}) + what setting up may take "
+                        f"({_mib(WITNESS_START_ALLOWANCE_BYTES)}) + this test's bound ({_mib(self.peak_bytes)})")
+            if self.sent_bytes is not None and m["sent_bytes"] > self.sent_bytes + WITNESS_SETUP_SENT_BYTES:
+                problems.append(
+                    f"{where}: the kernel counted {m['sent_bytes']} bytes written by the rank ('wchar' in "
+                    f"/proc/<pid>/io: its sockets to the other ranks, less its report and output), more than this "
+                    f"test's bound of {self.sent_bytes} (+{WITNESS_SETUP_SENT_BYTES} for joining the group): it "
+                    f"communicated more than the collectives FSDP needs (an all-reduce where a reduce-scatter "
+                    f"does, or a unit gathered twice?)")
+        if problems:
+            raise RankFailure(
+                "the kernel's witness disagrees with this run: " + "; ".join(problems) + ". The kernel's counts "
+                "decide: whatever the rank's own counters, monitor or memory tracker reported, they cannot overrule "
+                "them." + (f"\n\nWhat the ranks reported failed the test's checks too:\n{reported}" if reported else "")
+                + (f"\n\nThe run failed as well:\n{run_failure}" if run_failure else ""),
+                kind="witness", rank=int(problems[0].split(":")[0].split()[1]))
+
+
+_CGROUP_WORDS = (", with what it holds beyond its page tables: shared and tmpfs pages it does not map, and socket "
+                 "buffers where it has a memory cgroup")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _forkserver_rss() -> int:
+    """The forkserver's resident memory: what every rank holds when it is forked (torch imported)."""
+    from multiprocessing import forkserver
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return _read_status(pid).get("VmRSS", 0) if pid else 0
+
+
+def _read_status(pid: int) -> dict[str, int]:
+    """VmHWM, VmRSS and RssShmem of a process in bytes (empty when it is gone or a zombie)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f.read(1 << 16).splitlines():
+                if line.startswith((b"VmHWM:", b"VmRSS:", b"RssShmem:")):
+                    key, value = line.split(b":", 1)
+                    out[key.decode()] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _read_wchar(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/io", "rb") as f:
+            for line in f.read(4096).splitlines():
+                if line.startswith(b"wchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class _KernelSamples:
+    """What the parent read about one rank from /proc while it ran (see Witness)."""
+
+    def __init__(self, pid: int, cgroup: "RankCgroup | ProcShmem | None" = None):
+        self.pid = pid
+        self.cgroup = cgroup  # its own memory cgroup where one could be made, else /proc (tests/rank_cgroup.py)
+        self.held_peak = 0  # the most it held at one reading beyond what VmHWM counts (its cgroup's hidden())
+        self.idle = _forkserver_rss()  # an upper bound of what it holds when it is forked
+        self.first_rss = None  # what it held at the parent's first reading, soon after the fork
+        self.started = False
+        self.start_rss = 0
+        self.peak_hwm = 0  # highest VmHWM (or VmRSS) read
+        self.last_hwm = 0
+        self.hwm_fell = ""  # a reading where the peak fell: a reset
+        self.wchar = None  # the last reading
+        self.final = False  # read after the complete report, before the rank was let go
+        self.received = 0  # bytes the parent read from the rank's report pipe (they count in wchar)
+        self.samples = 0
+        self.unreadable = ""
+
+    def sample(self, final: bool = False) -> None:
+        st = _read_status(self.pid)
+        wchar = _read_wchar(self.pid)
+        if "VmHWM" not in st or wchar is None:
+            if "VmHWM" in st and not self.unreadable:  # alive, but its counters hidden (PR_SET_DUMPABLE 0?)
+                self.unreadable = "its kernel counters (/proc/<pid>/io) could not be read while it ran"
+            return  # gone already (or not readable): `final` stays False and the check fails
+        self.samples += 1
+        if self.first_rss is None:
+            self.first_rss = st["VmRSS"]
+        hwm = max(st["VmHWM"], st["VmRSS"])
+        if st["VmHWM"] < self.last_hwm - WITNESS_HWM_NOISE_BYTES and not self.hwm_fell:
+            self.hwm_fell = (f"its peak resident memory (VmHWM) fell from {_mib(self.last_hwm)} to "
+                             f"{_mib(st['VmHWM'])} between two readings: the peak was reset (/proc/self/clear_refs), "
+                             f"which hides memory from the parent")
+        self.last_hwm = max(self.last_hwm, hwm)
+        self.peak_hwm = max(self.peak_hwm, hwm)
+        hidden = self.cgroup.hidden(st.get("RssShmem", 0)) if self.cgroup is not None and self.started else None
+        if hidden:  # on top of what it holds in its page tables now
+            self.held_peak = max(self.held_peak, st["VmRSS"] - self.start_rss + hidden)
+        self.wchar = wchar
+        self.final = self.final or final
+
+    def body_started(self) -> None:
+        self.sample()
+        if self.cgroup is not None:
+            self.cgroup.start()
+        self.started = True
+        self.start_rss = _read_status(self.pid).get("VmRSS", 0)
+
+    def figures(self, r: _Rank, run_failed: bool = False) -> dict:
+        error = ""
+        if not self.started and run_failed:
+            pass  # the run failed before this rank's body began: no student code ran in it, nothing to witness
+        elif not self.started:
+            error = "the parent never saw its body start (the harness's 'body starts' frame did not arrive)"
+        elif self.unreadable and not self.final:
+            error = self.unreadable
+        elif not self.final:
+            error = ("it exited before the parent could read its kernel counters after its report (a rank waits "
+                     "for the parent's go before it exits)")
+        elif self.hwm_fell:
+            error = self.hwm_fell
+        out_size = min(_regular_file_size(r.out_path) or 0, WITNESS_OUTPUT_BYTES)
+        sent = (self.wchar or 0) - self.received - out_size
+        # Resident memory's rise, or its rise with what the rank's cgroup shows it holds beyond its page tables
+        # (tmpfs pages it does not map, socket buffers: tests/rank_cgroup.py) at one reading, whichever is more.
+        peak = max(self.peak_hwm - self.start_rss, self.held_peak)
+        return {"rank": r.rank, "error": error, "peak_bytes": peak, "held_bytes": self.held_peak,
+                "beyond_page_tables": self.cgroup is not None and self.cgroup.started,
+                "peak_abs_bytes": self.peak_hwm, "start_bytes": self.start_rss, "idle_bytes": self.idle,
+                "first_bytes": self.first_rss or self.idle,
+                "sent_bytes": sent, "samples": self.samples}
+
