@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 import adapters
-from fsdp_assignment.support.models import GPT, GPTConfig, LoRAConfig, LoRAModel, ToyMLP, gpt_batch, gpt_loss
+from fsdp_assignment.support.models import (GPT, GPTConfig, LoRAConfig, LoRAModel, ScaledResidual, ToyMLP, gpt_batch,
+                                           gpt_loss)
 from tests.harness import run_ranks
 from tests.public.collectives import gathered_unit, use_counted_collectives
 from tests.public.invariants import check_monitor
 from tests.public.monitor import Monitor
 from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard,
                                  full_params_of, hand_shard, hand_shard_gpt, local_batch, rank_device,
-                                 unsharded_storage_sizes)
+                                 unsharded_storage_sizes, witness_for, WITNESS_PEAK_OVERHEAD_HEAVY_BYTES)
 
 pytestmark = pytest.mark.task4
 
@@ -69,7 +71,9 @@ GPT_UNITS = [f"blocks.{i}." for i in range(GPTConfig().n_layer)] + [""]  # hand_
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.evidence("bytes", "memory")
 def test_gradient_shards_match_single_process(backend, world_size):
-    results = run_ranks(_gpt_backward, world_size, True, backend=backend)
+    # One backward: every unit gathered in forward and again in backward, its full gradient reduce-scattered once.
+    witness = witness_for(lambda: GPT(GPTConfig()), GPT_UNITS, world_size, moved=3)
+    results = run_ranks(_gpt_backward, world_size, True, backend=backend, witness=witness)
     cfg = GPTConfig()
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -79,7 +83,9 @@ def test_gradient_shards_match_single_process(backend, world_size):
 
 @pytest.mark.evidence("bytes", "memory")
 def test_gradients_without_reshard_after_forward():
-    results = run_ranks(_gpt_backward, 2, False)
+    # Units stay unsharded from forward to backward (all of them at once); each gathered once, reduce-scattered once.
+    witness = witness_for(lambda: GPT(GPTConfig()), GPT_UNITS, 2, unsharded=len(GPT_UNITS), moved=2)
+    results = run_ranks(_gpt_backward, 2, False, witness=witness)
     cfg = GPTConfig()
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -101,7 +107,10 @@ def _toy_backward(rank, world_size):
 @pytest.mark.evidence("memory")
 def test_nested_frozen_and_unused_parameters():
     world_size = 3
-    results = run_ranks(_toy_backward, world_size, timeout=30)
+    units = [p for i in range(3) for p in (f"blocks.{i}.inner.", f"blocks.{i}.")] + [""]
+    # Nested units: a block's inner unit is alive inside its block's; each gathered twice, reduce-scattered once.
+    witness = witness_for(lambda: ToyMLP(with_unused=True), units, world_size, unsharded=3, full_grads=2, moved=3)
+    results = run_ranks(_toy_backward, world_size, timeout=30, witness=witness)
     torch.manual_seed(0)
     model = ToyMLP(with_unused=True)
     x = torch.randn(4 * world_size, 13, generator=torch.Generator().manual_seed(1))
@@ -190,6 +199,16 @@ def lora_run(rank, world_size, hooks=4, prefetch=False, freeze_embedding=False, 
     return out
 
 
+def lora_witness(world_size: int, prefetch: bool = False, freeze_embedding: bool = False,
+                 frozen_block: int | None = None):
+    """lora_run's bounds: its model built whole, AdamW's two states on the shards (4 shard copies), the units the
+    property allows unsharded (MAX_UNSHARDED non-root units and the root); one step moves each unit three times."""
+    cfg = LoRAConfig(freeze_embedding=freeze_embedding)
+    return witness_for(lambda: LoRAModel(cfg), [f"blocks.{i}." for i in range(cfg.n_layer)] + [""], world_size,
+                       shard_copies=4, unsharded=MAX_UNSHARDED[prefetch] + 1,
+                       overhead_bytes=WITNESS_PEAK_OVERHEAD_HEAVY_BYTES, moved=3)
+
+
 def check_lora(results, world_size, prefetch=False, freeze_embedding=False, frozen_block=None):
     cfg, model = _lora_model(freeze_embedding, frozen_block)
     optim = torch.optim.AdamW(model.parameters(), **ADAMW)
@@ -203,7 +222,7 @@ def check_lora(results, world_size, prefetch=False, freeze_embedding=False, froz
         assert max(got["counts"]) <= bound, (
             f"rank {rank}: up to {max(got['counts'])} non-root units were unsharded at once during backward "
             f"(sampled inside every unit: {got['counts']}); at most {bound} (prefetch={prefetch}): reshard each unit, frozen "
-            f"parameters included, as soon as its own backward is done (post_backward), not in the final callback")
+            f"parameters included, as soon as its own backward is done, not when the whole backward ends")
         for desc in got["after_step"]:
             assert_close(desc["shard"], expected_shard(desc, params),
                          f"rank {rank}: shard of unit {desc['prefix'] or '<root>'} after one AdamW step", rtol=1e-6)
@@ -214,7 +233,7 @@ def check_lora(results, world_size, prefetch=False, freeze_embedding=False, froz
 def test_frozen_base_weights_are_resharded_at_each_units_backward(world_size):
     """LoRA-style blocks (frozen base + trainable adapter): adapter gradients equal one process, one non-root
     unit unsharded at any sampled moment of backward (the one computing), none after it, one AdamW step matches."""
-    check_lora(run_ranks(lora_run, world_size), world_size)
+    check_lora(run_ranks(lora_run, world_size, witness=lora_witness(world_size)), world_size)
 
 
 AC_VARIANTS = [  # (where, reentrant, early_stop): see GPTConfig.checkpoint
@@ -277,6 +296,15 @@ def checkpointing_run(rank, world_size, hooks=4, prefetch=False):
     return out
 
 
+def checkpointing_witness(world_size: int, prefetch: bool = False):
+    """checkpointing_run's bounds: a model built whole for each variant (the last one's still alive when the next is
+    built), MAX_UNSHARDED non-root units and the root unsharded; each of its two backwards per variant gathers
+    every unit up to three times (forward, backward, recomputation) and reduce-scatters it once."""
+    return witness_for(lambda: GPT(AC_CFG), GPT_AC_UNITS, world_size, models=2,
+                       unsharded=MAX_UNSHARDED[prefetch] + 1, overhead_bytes=WITNESS_PEAK_OVERHEAD_HEAVY_BYTES,
+                       moved=len(AC_VARIANTS) * 2 * 4)
+
+
 def check_checkpointing(results, world_size, prefetch=False):
     torch.manual_seed(0)
     model = GPT(AC_CFG)
@@ -301,7 +329,7 @@ def check_checkpointing(results, world_size, prefetch=False):
                     f"{what}, rank {rank}, backward {step + 1}: all-gathers per unit {_per_unit(gathers)}; each "
                     f"unit (all resharded after forward) must be all-gathered exactly once per backward. Under "
                     f"use_reentrant=True the recomputation is an ordinary forward run during backward: resharding "
-                    f"after it costs a second all-gather of the same unit (Task 4, BackwardHooks.post_forward)")
+                    f"after it costs a second all-gather of the same unit (Task 4's module docstring, the hard cases)")
 
 
 @pytest.mark.evidence("memory")
@@ -309,4 +337,90 @@ def test_activation_checkpointing_matches_single_process():
     """torch.utils.checkpoint around each unit and around a block inside a unit (reentrant or not, with and
     without early stop): gradients equal one process, units unsharded stay bounded during recomputation, each unit
     all-gathered once per backward."""
-    check_checkpointing(run_ranks(checkpointing_run, 2, timeout=90), 2)
+    check_checkpointing(run_ranks(checkpointing_run, 2, timeout=90, witness=checkpointing_witness(2)), 2)
+
+
+# ---- A loss made from a block's output that the root does not return (a hard case of the module docstring): the
+# root's output never gets a gradient, so nothing of the root's runs in backward before the end, and yet every rule
+# holds when loss.backward() returns.
+def _block_output_loss(rank, world_size):
+    cfg = GPTConfig()
+    log = use_counted_collectives(late=True)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    mon = Monitor(model, GPT_UNITS, log)
+    hand_shard_gpt(model)
+    mon.attach()
+    seen = []
+    model.blocks[1].register_forward_hook(lambda module, args, output: seen.append(output))
+    idx, _ = local_batch(cfg, rank, world_size, step=0)
+    model(idx)  # the logits are dropped: the loss below never reaches the root's output
+    mon.backward(seen[-1].square().mean())
+    full_grads_alive = [u.module.__class__.__name__ for u in adapters.fsdp_units(model)
+                        for fp in u.flat_params if fp.unsharded.grad is not None]
+    return {"flat": describe_flat_params(model, grads=True), "sizes": unsharded_storage_sizes(model),
+            "full_grads_alive": full_grads_alive, "mon": mon.report()}
+
+
+def test_loss_from_a_block_output_the_root_does_not_return():
+    world_size = 2
+    results = run_ranks(_block_output_loss, world_size)
+    cfg = GPTConfig()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    seen = []
+    model.blocks[1].register_forward_hook(lambda module, args, output: seen.append(output))
+    idx, _ = gpt_batch(cfg, 2 * world_size, seed=0)
+    model(idx)
+    expected = _single_process_grads(model, seen[-1].square().mean())
+    for rank, got in enumerate(results):
+        # Which units a loss that skips some of them gathers again or reduces is each design's own: the order
+        # and collective invariants are left out; what must hold when backward returns is not.
+        check_monitor(got["mon"], model, world_size, f"rank {rank} (loss from blocks.1's output)", collectives=False)
+        for desc in got["flat"]:  # a unit the loss never reaches gets no gradient or zeros (the docstring's rule)
+            if desc["grad"] is None and desc["requires_grad"] and not expected_shard(desc, expected).any():
+                desc["grad"] = torch.zeros(desc["shard_numel"])
+    _check_grad_shards(results, model, GPT_UNITS, expected)
+
+
+# ---- A unit whose input an earlier unit also reads: both blocks read the embedding's output.
+class SharedInput(nn.Module):
+    def __init__(self, d_in: int = 13, dim: int = 29, hidden: int = 37, d_out: int = 7):
+        super().__init__()
+        self.embed = nn.Linear(d_in, dim)
+        self.first = ScaledResidual(dim, hidden)
+        self.second = ScaledResidual(dim, hidden)
+        self.head = nn.Linear(dim, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.head(self.first(h) + self.second(h))
+
+
+SHARED_UNITS = ["first.", "second.", ""]
+
+
+def _shared_input(rank, world_size):
+    log = use_counted_collectives(late=True)
+    torch.manual_seed(0)
+    model = SharedInput()
+    mon = Monitor(model, SHARED_UNITS, log)
+    hand_shard(model, [model.first, model.second, model])
+    mon.attach()
+    x = torch.randn(3 * world_size, 13, generator=torch.Generator().manual_seed(1))[3 * rank:3 * (rank + 1)]
+    mon.backward(model(x).pow(2).mean())
+    full_grads_alive = [u.module.__class__.__name__ for u in adapters.fsdp_units(model)
+                        for fp in u.flat_params if fp.unsharded.grad is not None]
+    return {"flat": describe_flat_params(model, grads=True), "sizes": unsharded_storage_sizes(model),
+            "full_grads_alive": full_grads_alive, "monitor": mon.report()}
+
+
+def test_a_unit_whose_input_an_earlier_unit_also_reads():
+    # Each unit is resharded as soon as its own backward is done (the monitor's unsharded-bound: one non-root
+    # unit at a time), although the input it read is also read by the unit that ran before it.
+    world_size = 2
+    results = run_ranks(_shared_input, world_size)
+    torch.manual_seed(0)
+    model = SharedInput()
+    x = torch.randn(3 * world_size, 13, generator=torch.Generator().manual_seed(1))
+    _check_grad_shards(results, model, SHARED_UNITS, _single_process_grads(model, model(x).pow(2).mean()))
