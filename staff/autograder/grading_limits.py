@@ -232,7 +232,8 @@ class TimeLimits:
         names = "; ".join(f"{' and '.join(_function_label(f) for f in sorted(fs))} hung in "
                           f"{', '.join(self.hung[fs]['tests'])}" for fs in self.probing)
         return (f"note: a probe: {names}, and this test calls the same, so it runs with a shorter time limit "
-                f"(12 times the reference's time plus a second, enough for a machine ten times slower); if it does not take the branch that hangs, it passes")
+                f"(12 times the reference's time plus a second, enough for a machine ten times slower); if it does "
+                f"not take the branch that hangs, it passes")
 
     def end_test(self, nodeid: str, task: int | str, elapsed: float, call_seconds: float, passed: bool) -> None:
         os.environ.pop("FSDP_RANK_DEADLINE", None)

@@ -192,8 +192,8 @@ def _check_communication(calls, padded, R, K, where):
         f"in forward and again in backward; the root may skip its backward gather: {min(allowed):.0f})" + NOT_COUNTED)
     rs_bytes = sum((K - 1) / K * n * FP32_BYTES for n in rs) / STEPS
     assert abs(rs_bytes - (K - 1) / K * p_bytes) < 1e-6 * max(p_bytes, 1), \
-        f"{where}: reduce-scatter bytes per step {rs_bytes:.0f}, the formula (K-1)/K G gives {(K - 1) / K * p_bytes:.0f}" \
-        + NOT_COUNTED
+        f"{where}: reduce-scatter bytes per step {rs_bytes:.0f}, the formula (K-1)/K G gives " \
+        f"{(K - 1) / K * p_bytes:.0f}" + NOT_COUNTED
     ar_bytes = sum(2 * (g - 1) / g * n * FP32_BYTES for g, n in ar) / STEPS
     assert abs(ar_bytes - 2 * (R - 1) / R * p_bytes / K) < 1e-6 * max(p_bytes, 1), (
         f"{where}: all-reduce bytes per step {ar_bytes:.0f}, the formula 2 (R-1)/R G/K gives "
