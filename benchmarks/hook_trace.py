@@ -5,6 +5,8 @@
     python benchmarks/hook_trace.py --hooks 4               # units made by hand with Task 4's life cycle
                                                             # (before Task 7 works; 6: Task 6's, prefetch on)
     python benchmarks/hook_trace.py --prefetch --steps 2    # Task 6: a second step runs on the recorded order
+    python benchmarks/hook_trace.py --scenario lora --freeze-embedding   # the first block's input needs no grad
+    python benchmarks/hook_trace.py --mixed-precision       # bf16 parameters, fp32 reduction: the dtypes moved
     python benchmarks/hook_trace.py --json                  # the events as JSON, for your own scripts
 
 A debugging tool first: when a test says a unit stayed unsharded, was gathered twice, or that a collective hung,
@@ -197,14 +199,14 @@ def _twice_model():
     return RunTwice()
 
 
-def _build(scenario: str):
+def _build(scenario: str, freeze_embedding: bool = False):
     """(model, unit modules children first and the root last, a function of the step returning the loss)."""
     import torch
     from fsdp_assignment.support.models import GPT, GPTConfig, LoRAConfig, LoRAModel, gpt_batch, gpt_loss
 
     torch.manual_seed(0)
     if scenario == "lora":
-        cfg = LoRAConfig(n_layer=2)
+        cfg = LoRAConfig(n_layer=2, freeze_embedding=freeze_embedding)
         model = LoRAModel(cfg)
         return model, [*model.blocks, model], lambda step: gpt_loss(model, *gpt_batch(cfg, 2, seed=step))
     if scenario == "reentrant":
@@ -227,7 +229,8 @@ def _failing_task(err: BaseException) -> dict:
     return where
 
 
-def rank_body(rank: int, world_size: int, scenarios: tuple, hooks: int, prefetch: bool, steps: int) -> dict:
+def rank_body(rank: int, world_size: int, scenarios: tuple, hooks: int, prefetch: bool, steps: int,
+              options: dict | None = None) -> dict:
     """The scenarios on one rank, in turn: per scenario its events and how it ended ("ok", "not implemented" or
     "error"); after a scenario that did not end "ok" the next ones are not run (they would stop there too)."""
     import adapters
@@ -238,14 +241,14 @@ def rank_body(rank: int, world_size: int, scenarios: tuple, hooks: int, prefetch
     log = use_counted_collectives(late=False)  # once per rank: it replaces the gloo group by a counting one
     wrapped = wrap_task_functions()
     for scenario in scenarios:
-        out[scenario] = _one_scenario(rank, scenario, hooks, prefetch, steps, log)
+        out[scenario] = _one_scenario(rank, scenario, hooks, prefetch, steps, log, options or {})
         out[scenario].update(impl=adapters.implementation(), wrapped=len(wrapped))
         if out[scenario]["end"] != "ok":
             break
     return out
 
 
-def _one_scenario(rank: int, scenario: str, hooks: int, prefetch: bool, steps: int, log) -> dict:
+def _one_scenario(rank: int, scenario: str, hooks: int, prefetch: bool, steps: int, log, options: dict) -> dict:
     import adapters
 
     rec = Recorder()
@@ -253,12 +256,17 @@ def _one_scenario(rank: int, scenario: str, hooks: int, prefetch: bool, steps: i
     out = {"rank": rank, "events": rec.events, "end": "ok"}
     _CURRENT.append(rec)
     try:
-        model, unit_modules, loss_of = _build(scenario)
+        model, unit_modules, loss_of = _build(scenario, options.get("freeze_embedding", False))
         rec.name_modules(model)
         rec.phase = "shard"
         if hooks == 7:
+            policy = None
+            if options.get("mixed_precision"):  # bf16 parameters, fp32 gradient reduction (the writeup's Q8)
+                import torch
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+                policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for module in unit_modules:
-                adapters.fully_shard(module)
+                adapters.fully_shard(module, mixed_precision=policy)
             if prefetch:
                 adapters.set_prefetch(model, True)
         else:
@@ -290,12 +298,15 @@ def _one_scenario(rank: int, scenario: str, hooks: int, prefetch: bool, steps: i
     return out
 
 
-def trace(scenarios, hooks: int = 7, prefetch: bool = False, steps: int = 1, world_size: int = 2) -> dict:
-    """Run ``scenarios`` on ``world_size`` ranks (the tests' ``run_ranks``): scenario -> the ranks' results."""
+def trace(scenarios, hooks: int = 7, prefetch: bool = False, steps: int = 1, world_size: int = 2,
+          **options) -> dict:
+    """Run ``scenarios`` on ``world_size`` ranks (the tests' ``run_ranks``): scenario -> the ranks' results.
+    ``options``: freeze_embedding (the LoRA model's), mixed_precision (bf16 parameters, fp32 reduction)."""
     from benchmarks import hook_trace  # the rank imports the body by module name, never from __main__
     from tests.harness import run_ranks
 
-    per_rank = run_ranks(hook_trace.rank_body, world_size, tuple(scenarios), hooks, prefetch, steps, timeout=180)
+    per_rank = run_ranks(hook_trace.rank_body, world_size, tuple(scenarios), hooks, prefetch, steps, options,
+                         timeout=180)
     return {s: [r[s] for r in per_rank] for s in scenarios if all(s in r for r in per_rank)}
 
 
@@ -412,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="7: adapters.fully_shard on each unit (default); 4 or 6: units made by hand "
                         "(tests/public/common.py's hand_shard) with Task 4's or Task 6's life cycle")
     p.add_argument("--prefetch", action="store_true", help="turn prefetching on (Task 6; --hooks 6 or 7)")
+    p.add_argument("--freeze-embedding", action="store_true",
+                   help="lora: freeze the embedding too, so the first block's input needs no gradient")
+    p.add_argument("--mixed-precision", action="store_true",
+                   help="fully_shard with MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)")
     p.add_argument("--steps", type=int, default=1, help="training steps per scenario (default 1)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--depth", type=int, default=4,
@@ -421,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.prefetch and args.hooks == 4:
         p.error("--prefetch needs Task 6's life cycle: use --hooks 6 or 7")
+    if args.mixed_precision and args.hooks != 7:
+        p.error("--mixed-precision is a fully_shard keyword: use --hooks 7")
     if args.steps < 1 or args.world_size < 1:
         p.error("--steps and --world-size must be at least 1")
 
@@ -428,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
 
     scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
     try:
-        found = trace(scenarios, args.hooks, args.prefetch, args.steps, args.world_size)
+        found = trace(scenarios, args.hooks, args.prefetch, args.steps, args.world_size,
+                      freeze_embedding=args.freeze_embedding, mixed_precision=args.mixed_precision)
     except RankFailure as err:
         print(f"hook_trace: a rank failed outside the traced step:\n{err}", file=sys.stderr)
         return 1
