@@ -7,13 +7,14 @@ import torch
 import torch.distributed as dist
 
 import adapters
-from fsdp_assignment.support.models import GPT, GPTConfig, gpt_batch, gpt_loss
+from fsdp_assignment.support.models import GPT, GPTConfig, TiedModel, gpt_batch, gpt_loss
 from tests.harness import run_ranks
 from tests.public.collectives import use_counted_collectives
 from tests.public.invariants import check_monitor
 from tests.public.monitor import Monitor
+from tests.public.common import WITNESS_PEAK_OVERHEAD_HEAVY_BYTES, witness_for
 from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard, full_params_of,
-                                 hand_shard_gpt, local_batch, train_single_process)
+                                 hand_shard, hand_shard_gpt, local_batch, train_single_process)
 
 pytestmark = pytest.mark.task5
 
@@ -61,7 +62,10 @@ def _optimizer_state(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.evidence("bytes", "memory")
 def test_optimizer_state_is_sharded_and_one_adamw_step_matches(world_size):
-    results = run_ranks(_optimizer_state, world_size)
+    # One AdamW step (two states on the shards) and a full state dict gathered on rank 0 (up to a whole model there).
+    witness = witness_for(lambda: GPT(CFG), GPT_UNITS, world_size, models=2, overhead_bytes=WITNESS_PEAK_OVERHEAD_HEAVY_BYTES,
+                          moved=3 + 1)
+    results = run_ranks(_optimizer_state, world_size, witness=witness)
     expected = train_single_process(CFG, world_size, 1, torch.optim.AdamW, lr=1e-2, eps=ADAM_EPS)
     trainable = sum(p.numel() for p in expected.parameters() if p.requires_grad)
     for rank, got in enumerate(results):
@@ -161,3 +165,49 @@ def test_resume_from_full_and_sharded_checkpoints_equals_no_interruption():
         f"the full model state dict must load into a plain GPT (strict); mismatched keys: {results[0]['plain']}"
     names = {n for n, _ in GPT(CFG).named_parameters()}
     assert set(results[0]["full_keys"]) == names, "full optimizer state must be keyed by original parameter names"
+
+
+def test_clip_grad_norm_never_scales_gradients_up():
+    # Below max_norm clipping changes nothing (torch's coefficient is capped at 1), and the norm is still global.
+    world_size, max_norm = 2, 1e3
+    results = run_ranks(_clip, world_size, max_norm)
+    norm, grads = single_process_clip(world_size, max_norm)
+    assert norm < max_norm, "test set-up: the norm must be below max_norm"
+    for rank, got in enumerate(results):
+        assert_close(got["norm"], norm, f"rank {rank}: returned norm (the global norm over all ranks)")
+        for desc in got["flat"]:
+            assert_close(desc["grad"], expected_shard(desc, grads), (
+                f"rank {rank}: gradient shard of unit '{desc['prefix'] or '<root>'}' after clip_grad_norm_ with the "
+                f"norm ({float(norm):.3g}) below max_norm ({max_norm:g}): clipping never scales a gradient up"))
+
+
+TIED_UNITS = ["layers.0.", "layers.1.", ""]  # TiedModel's layers, then the root (embed and head share its weight)
+
+
+def _tied_sharded_state(rank, world_size):
+    torch.manual_seed(0)
+    model = TiedModel()
+    hand_shard(model, [model.layers[0], model.layers[1], model])
+    return {kind: adapters.get_model_state_dict(model, full=kind == "full") for kind in ("sharded", "full")}
+
+
+def test_state_dicts_name_a_tied_weight_as_their_formats_say():
+    # TiedModel's head.weight IS embed.weight. Sharded: once, under its kept name (the first); full: under both.
+    world_size = 2
+    results = run_ranks(_tied_sharded_state, world_size)
+    torch.manual_seed(0)
+    model = TiedModel()
+    kept = dict(model.named_parameters())  # one name per parameter: the first
+    every = dict(model.named_parameters(remove_duplicate=False))
+    for rank, got in enumerate(results):
+        keys = sorted(got["sharded"])
+        assert keys == sorted(kept), (
+            f"rank {rank}: the sharded model state dict of TiedModel has keys {keys}; expected {sorted(kept)}: a tied "
+            f"parameter once, under its kept name (the first of its names), as the module docstring's format says")
+    for name, p in kept.items():  # the ranks' pieces, in rank order, are the whole parameter
+        pieces = torch.cat([got["sharded"][name].reshape(-1) for got in results])
+        assert_close(pieces, p.detach().reshape(-1), f"{name}: the sharded state dict's pieces of all ranks, in order")
+    assert sorted(results[0]["full"]) == sorted(every), (
+        f"rank 0: the full model state dict has keys {sorted(results[0]['full'])}; expected every name of every "
+        f"parameter, tied ones under each of their names: {sorted(every)}")
+    assert all(got["full"] == {} for got in results[1:]), "a full state dict lives on rank 0 only"
