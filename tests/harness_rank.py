@@ -105,13 +105,14 @@ def _run_body(config: dict, sendable, report_fd: int | None = None, ack=None):
     global _body_code
     _body_code = getattr(body, "__code__", None)
     args = pickle.loads(config["args_blob"])
+    if config.get("witnessed"):  # before the limits: the harness's own first use of torch counts against none
+        _malloc_returns_big_blocks()
+        _warm_up(world_size, device_id)
     apply_limits(config["memory_limit_bytes"], config.get("limits") or {})
     if config.get("run_as") is not None:  # last: the harness and the test module were set up as ourselves
         drop_privileges(*config["run_as"])
     if os.environ.get("FSDP_TRACE_TASK_CALLS"):  # staff/grader_selftest/measure_times.py: which task functions run
         trace_task_calls(os.environ["FSDP_TRACE_TASK_CALLS"])
-    if config.get("witnessed"):
-        _malloc_returns_big_blocks()
     if config.get("witnessed") and report_fd is not None:
         os.write(report_fd, bytes(_LENGTH_BYTES))  # an empty frame: "the body starts now" (the memory baseline)
         if ack is not None:
@@ -148,6 +149,30 @@ def _malloc_returns_big_blocks() -> None:
         libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD: return a freed heap top to the kernel
     except (OSError, AttributeError):
         pass
+
+
+def _warm_up(world_size: int, device) -> None:
+    """What any body's first step allocates once in a fresh process, done before the memory baseline: the
+    autograd engine and its thread, the first use of the kernels a transformer step runs (embedding, layer norm,
+    linear, GELU, attention, cross-entropy, and their backward), and the first collective of each kind. Measured
+    on a 2-layer GPT step sharded by FSDP (W=2, 8 runs): the body's peak above its baseline fell from 27.0-27.6
+    MiB to 3.6-4.4 MiB; an empty body's from 1.0 to 0.7 MiB. Only torch runs here, never the test's code."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    emb, ln, attn, proj, fc = nn.Embedding(8, 16), nn.LayerNorm(16), nn.Linear(16, 48), nn.Linear(16, 16), \
+        nn.Linear(16, 64)
+    with torch.enable_grad():
+        ids = torch.arange(8).view(2, 4)
+        x = emb(ids) + emb(torch.arange(4))
+        q, k, v = (t.view(2, 4, 2, 8).transpose(1, 2) for t in attn(ln(x)).split(16, dim=2))
+        x = x + proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 4, 16))
+        x = x + F.linear(F.gelu(fc(ln(x))), fc.weight.t())
+        F.cross_entropy(F.linear(ln(x), emb.weight).float().view(-1, 8), ids.view(-1)).backward()
+    t = torch.ones(64 * world_size, device=device)
+    dist.all_gather_into_tensor(torch.empty(64 * world_size * world_size, device=device), t)
+    dist.reduce_scatter_tensor(torch.empty(64, device=device), t)
+    dist.all_reduce(t)
+    dist.broadcast(t, 0)
 
 
 def _format_traceback(e: BaseException) -> str:
