@@ -1,5 +1,6 @@
 """Code a person should look at: what in a submission reaches into the grader's machinery or around the process
-group, found statically (``ast``) in the submitted task files, with file and line (issue 32).
+group, found statically in the submitted task files, with file and line (issues 32 and 36); and the findings of
+the runtime audit that ran in every rank (tests/rank_audit.py), read back from the grading run.
 
     python -m staff.autograder.review SUBMISSIONS          # one line per flag, for every submission in the folder
     python -m staff.autograder.review SUBMISSIONS --json review.json
@@ -8,21 +9,49 @@ group, found statically (``ast``) in the submitted task files, with file and lin
 A SUBMISSIONS folder holds one entry per student: a zip (``make_submission.sh``'s) or a folder; its task files are
 found exactly as the grading command finds them (``intake.find_submitted``, ``intake.find_in_zips``).
 
-What is flagged (each a ``kind``): ``frame`` (frame or stack inspection, tracing hooks), ``gc`` (walking the
-garbage collector's objects), ``ctypes``, ``mmap`` (shared or file mappings, memfd, shared_memory), ``path``
-(``/proc``, ``/dev/shm``, ``/sys`` named in a string), ``patch`` (an assignment, ``setattr`` or ``del`` on an
-attribute of an imported module: ``dist.all_reduce = ...``, ``torch.Tensor.x = ...``; ``vars()``/``__dict__`` of
-one; ``builtins``), ``sys.modules``, ``signal`` (signals, ``os.kill``, the parent's pid, sessions), ``process``
-(``os.fork``, ``subprocess``, ``multiprocessing``, ``exec*``/``spawn*``), ``harness`` (importing ``tests``,
-``pytest``, ``staff`` or ``conftest``), ``dynamic`` (``exec``, ``eval``, ``compile``, ``__import__``,
-``importlib``: code this review cannot read), ``socket``, ``environment`` (edits of ``os.environ``),
-``resource`` (rlimits). A correct implementation written from the release needs none of them (a staff test checks
-the reference and the staff alternatives flag nothing); a flag is not a verdict: a person reads the line.
+What it reads: each task file's bytes decoded as Python's import decodes them (the BOM or the coding cookie on
+line 1 or 2, then universal newlines: review_decode.py), parsed from those bytes by Python's own parser, so every
+flag carries Python's line number and the code Python runs there. A file in another encoding than UTF-8, or one
+Python cannot decode, is flagged (``encoding``), as is each line such a decoding makes that the file does not show
+(UTF-7's ``+AAo-`` is a newline inside what reads as a comment), and any character that displays differently from
+what runs (``display``: bidirectional controls, zero-width and other invisible characters, U+2028/2029, a form feed,
+vertical tab or lone carriage return inside a line, identifiers Python folds by NFKC such as ``ｓｙｓ``).
+
+What is flagged (each a ``kind``): ``frame`` (frame or stack inspection, tracing hooks, tracebacks), ``audit``
+(``sys.addaudithook``, ``sys.audit``), ``gc`` (walking the garbage collector's objects), ``ctypes`` (ctypes, cffi),
+``native`` (extension loading: ``torch.utils.cpp_extension``, ``torch.ops.load_library``), ``mmap`` (shared or
+file mappings: mmap, memfd, shared_memory, ``_posixshmem``, ``torch.from_file``, ``numpy.memmap``), ``path``
+(``/proc``, ``/dev``, ``/sys``, ``/tmp``, cgroups in a string however it is built, and ``open``/``os.open``/
+``Path`` of a path built at run time), ``patch`` (an assignment, ``del``, ``setattr``/``delattr`` or
+``object.__setattr__`` on anything rooted in an import or on the class of an object, through any alias, module-level
+or local; a module's ``__dict__``/``vars()``; ``builtins``), ``introspection`` (``__dict__``, ``__globals__``,
+``__subclasses__``, ``__bases__``, ``__mro__``, ``__code__``, ``__closure__``, ``globals()``, ``vars()``, a dunder
+through getattr), ``sys.modules``, ``signal`` (signals, ``os.kill``, pidfds, the parent's pid, sessions),
+``process`` (``os.fork``, ``subprocess``, ``multiprocessing``, ``exec*``/``spawn*``, ``posix_spawn``),
+``harness`` (``tests``, ``pytest``, ``staff``, ``adapters``, ``conftest``), ``dynamic`` (``exec``, ``eval``,
+``compile``, ``__import__``, ``importlib``, ``pkgutil``, ``marshal``, ``pickle.loads``, ``types.FunctionType``,
+``copyreg``, and ``getattr``/``setattr``/``hasattr`` with a name built at run time, or held in a variable on a
+module or a class: code this review cannot read), ``socket``, ``environment`` (edits of ``os.environ``,
+``os.environb``, ``putenv``), ``resource`` (rlimits), ``unreadable``. A name is judged however it is spelt:
+``os.fork``, ``posix.fork``, ``from os import fork as f``, ``getattr(os, 'fo' + 'rk')`` are one name (aliases are
+followed, strings built by concatenation, f-strings, join, ``os.path.join``, ``chr``, slicing are folded). A
+correct implementation written from the release needs none of it (a staff test checks that the reference, the
+stubs and the staff alternatives flag nothing); a flag is not a verdict: a person reads the line.
+
+What it cannot see (what the runtime audit, tests/rank_audit.py, is for): what code does at run time with values
+the file does not spell: a name assembled from data the review cannot fold (read from a file, from a tensor, or
+held in a variable and used on an object of the file's own: ``getattr(obj, name)`` is not flagged there, as Task 1
+does it honestly), a module or class reached through a container or an object's attribute
+(``self.m = torch.distributed; self.m.x = f``), what ``exec`` or a loaded extension runs, and what honest-looking
+calls into torch do. The grading command sets ``FSDP_AUDIT_LOG`` to ``audit.jsonl`` beside results.json; the ranks'
+audit hooks report there what ran (frames, gc, native code, marshal/pickle/exec, imports, opens, sockets, fork,
+signals) with the submission's file and line, and ``add_staff_review`` lists those findings next to the static flags
+("runtime: TEST, rank R").
 
 Where it shows, never to the student: the grading command prints it in its log (Gradescope shows the autograder's
 output to instructors only: ``stdout_visibility`` is "hidden") and stores it in results.json under
-``extra_data.staff_review`` (Gradescope stores ``extra_data`` and displays none of it); this command lists it for a
-folder of submissions.
+``extra_data.staff_review`` = {"flags", "runtime", "files", "notes"} (Gradescope stores ``extra_data`` and displays
+none of it); this command lists the static flags for a folder of submissions.
 """
 
 from __future__ import annotations
@@ -30,175 +59,35 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import sys
 from pathlib import Path
 
-FRAME_CALLS = {"sys._getframe", "sys._current_frames", "sys.settrace", "sys.setprofile", "sys.gettrace",
-               "threading.settrace", "threading.setprofile", "inspect.currentframe", "inspect.stack",
-               "inspect.trace", "inspect.getouterframes", "inspect.getinnerframes", "inspect.getframeinfo",
-               "traceback.walk_stack", "traceback.extract_stack"}
-FRAME_ATTRIBUTES = {"f_back", "f_locals", "f_globals", "f_builtins", "f_trace", "tb_frame", "gi_frame", "cr_frame",
-                    "ag_frame"}
-GC_CALLS = {"gc.get_objects", "gc.get_referrers", "gc.get_referents", "gc.garbage", "gc.callbacks"}
-MODULE_KINDS = {"ctypes": "ctypes", "_ctypes": "ctypes", "cffi": "ctypes", "mmap": "mmap", "signal": "signal",
-                "subprocess": "process", "multiprocessing": "process", "pty": "process", "socket": "socket",
-                "resource": "resource", "importlib": "dynamic", "builtins": "patch", "tests": "harness",
-                "pytest": "harness", "_pytest": "harness", "conftest": "harness", "staff": "harness",
-                "faulthandler": "signal"}
-CALL_KINDS = {"os.fork": "process", "os.forkpty": "process", "os.system": "process", "os.popen": "process",
-              "os.posix_spawn": "process", "os.posix_spawnp": "process", "os.kill": "signal", "os.killpg": "signal",
-              "os.getppid": "signal", "os.setsid": "signal", "os.setpgid": "signal", "os.abort": "signal",
-              "os.memfd_create": "mmap", "os.putenv": "environment", "os.unsetenv": "environment"}
-PROCESS_PREFIXES = ("os.exec", "os.spawn")
-PATH_STRINGS = ("/proc", "/dev/shm", "/dev/mem", "/sys/")
-ENVIRON_EDITS = {"update", "pop", "popitem", "setdefault", "clear", "__setitem__", "__delitem__"}
+from .review_decode import Decoded, shown
+from .review_rules import Review
 
-
-def _dotted(node: ast.AST) -> str:
-    """``a.b.c`` for a Name/Attribute chain, else ""."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        return ".".join([node.id] + parts[::-1])
-    return ""
-
-
-class _Review(ast.NodeVisitor):
-    def __init__(self, lines: list[str]):
-        self.lines = lines
-        self.flags: list[dict] = []
-        self.modules: dict[str, str] = {}  # name bound at module level -> the module it names
-        self.local_names: list[set[str]] = []  # per enclosing function: names bound there (shadowing modules)
-
-    # -- what names are modules --
-    def module_of(self, name: str) -> str | None:
-        if any(name in scope for scope in self.local_names):
-            return None
-        return self.modules.get(name)
-
-    def resolve(self, node: ast.AST) -> str:
-        """The dotted name with a module alias replaced by its module (``dist.x`` -> ``torch.distributed.x``)."""
-        dotted = _dotted(node)
-        if not dotted:
-            return ""
-        head, _, rest = dotted.partition(".")
-        module = self.module_of(head)
-        return (module + ("." + rest if rest else "")) if module else dotted
-
-    def flag(self, node: ast.AST, kind: str, what: str) -> None:
-        line = getattr(node, "lineno", 0)
-        code = self.lines[line - 1].strip()[:160] if 0 < line <= len(self.lines) else ""
-        self.flags.append({"line": line, "kind": kind, "what": what, "code": code})
-
-    # -- imports --
-    def visit_Import(self, node: ast.Import) -> None:
-        for alias in node.names:
-            top = alias.name.split(".")[0]
-            if top in MODULE_KINDS:
-                self.flag(node, MODULE_KINDS[top], f"import {alias.name}")
-            if alias.name == "multiprocessing.shared_memory":
-                self.flag(node, "mmap", f"import {alias.name}")
-            if not self.local_names:
-                self.modules[alias.asname or top] = alias.name if alias.asname else top
-
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        module = node.module or ""
-        top = module.split(".")[0]
-        if node.level == 0 and top in MODULE_KINDS:
-            self.flag(node, MODULE_KINDS[top], f"from {module} import ...")
-        for alias in node.names:
-            full = f"{module}.{alias.name}" if module else alias.name
-            if full in FRAME_CALLS or full in GC_CALLS:
-                self.flag(node, "frame" if full in FRAME_CALLS else "gc", f"from {module} import {alias.name}")
-            elif full in CALL_KINDS or full.startswith(PROCESS_PREFIXES):
-                self.flag(node, CALL_KINDS.get(full, "process"), f"from {module} import {alias.name}")
-            elif alias.name == "shared_memory" or full in ("os.environ", "sys.modules"):
-                kind = {"shared_memory": "mmap", "environ": "environment", "modules": "sys.modules"}[alias.name]
-                self.flag(node, kind, f"from {module} import {alias.name}")
-            # A lower-case name imported from a package is taken for a module (torch.nn, torch.distributed,
-            # the package's support modules): an assignment to its attributes is a patch.
-            if not self.local_names and alias.name[:1].islower() and (node.level or top in ("torch", "tests")):
-                self.modules[alias.asname or alias.name] = ("." * node.level) + full
-
-    # -- scopes: a function's own names shadow the module's --
-    def _function(self, node) -> None:
-        names = {a.arg for a in node.args.args + node.args.kwonlyargs + node.args.posonlyargs}
-        names |= {a.arg for a in (node.args.vararg, node.args.kwarg) if a is not None}
-        for sub in ast.walk(node):
-            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
-                names.add(sub.id)
-        self.local_names.append(names)
-        self.generic_visit(node)
-        self.local_names.pop()
-
-    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
-
-    # -- uses --
-    def visit_Attribute(self, node: ast.Attribute) -> None:
-        full = self.resolve(node)
-        if node.attr in FRAME_ATTRIBUTES:
-            self.flag(node, "frame", f".{node.attr}")
-        elif full in FRAME_CALLS:
-            self.flag(node, "frame", full)
-        elif full in GC_CALLS:
-            self.flag(node, "gc", full)
-        elif full in CALL_KINDS or full.startswith(PROCESS_PREFIXES):
-            self.flag(node, CALL_KINDS.get(full, "process"), full)
-        elif full == "sys.modules":
-            self.flag(node, "sys.modules", "sys.modules")
-        elif node.attr in ("__dict__", "__builtins__") and (self.module_of(_dotted(node.value).split(".")[0])
-                                                             or node.attr == "__builtins__"):
-            self.flag(node, "patch", f"{_dotted(node.value)}.{node.attr}")
-        if isinstance(node.ctx, (ast.Store, ast.Del)) and self.module_of(_dotted(node.value).split(".")[0] or "-"):
-            self.flag(node, "patch", f"{'assigns' if isinstance(node.ctx, ast.Store) else 'deletes'} {full}")
-        self.generic_visit(node)
-
-    def visit_Name(self, node: ast.Name) -> None:
-        if node.id == "__builtins__":
-            self.flag(node, "patch", "__builtins__")
-        self.generic_visit(node)
-
-    def visit_Call(self, node: ast.Call) -> None:
-        func, name = node.func, self.resolve(node.func)
-        first = _dotted(node.args[0]) if node.args else ""
-        first_is_module = bool(first) and bool(self.module_of(first.split(".")[0]))
-        if isinstance(func, ast.Name) and not self.module_of(func.id) and \
-                not any(func.id in scope for scope in self.local_names):
-            if func.id in ("exec", "eval", "compile", "__import__"):
-                self.flag(node, "dynamic", f"{func.id}(...)")
-            elif func.id in ("setattr", "delattr", "vars") and first_is_module:
-                self.flag(node, "patch", f"{func.id}({self.resolve(node.args[0])}, ...)")
-        elif name.startswith("os.environ.") and name.rsplit(".", 1)[1] in ENVIRON_EDITS:
-            self.flag(node, "environment", name)
-        self.generic_visit(node)
-
-    def visit_Subscript(self, node: ast.Subscript) -> None:
-        if isinstance(node.ctx, (ast.Store, ast.Del)) and self.resolve(node.value) == "os.environ":
-            self.flag(node, "environment", "os.environ[...] edited")
-        self.generic_visit(node)
-
-    def visit_Constant(self, node: ast.Constant) -> None:
-        if isinstance(node.value, str) and any(p in node.value for p in PATH_STRINGS):
-            self.flag(node, "path", repr(node.value[:60]))
-
-
-def review_source(text: str) -> list[dict]:
-    """The flags of one file's source: ``{"line", "kind", "what", "code"}``, in line order. A file that does not
-    parse is one flag (``unreadable``): a person reads it (the tests grade it as it is)."""
-    try:
-        tree = ast.parse(text)
-        visitor = _Review(text.splitlines())
-        visitor.visit(tree)
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
-        return [{"line": getattr(err, "lineno", 0) or 0, "kind": "unreadable",
-                 "what": f"not reviewed: {type(err).__name__}: {str(err)[:200]}", "code": ""}]
+def review_source(data: bytes | str) -> list[dict]:
+    """The flags of one file: ``{"line", "kind", "what", "code"}``, in line order, lines as Python numbers them.
+    Bytes are read as the import reads them (their coding cookie or BOM: review_decode.py); text is taken as
+    already decoded. A file that does not parse is one flag (``unreadable``): a person reads it (the tests grade
+    it as it is)."""
+    decoded = Decoded(data)
+    flags = list(decoded.flags)
+    if decoded.runs:
+        try:
+            # The bytes themselves when we have them: compile() decodes them exactly as the import does.
+            tree = ast.parse(data)
+            visitor = Review(tree, decoded.lines)
+            visitor.visit(tree)
+            flags += visitor.flags
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
+            flags.append({"line": getattr(err, "lineno", 0) or 0, "kind": "unreadable",
+                          "what": f"not reviewed: {type(err).__name__}: {str(err)[:200]}", "code": ""})
+    # One flag per line and kind (the first found is the outermost, most telling, spelling).
     seen, out = set(), []
-    for f in sorted(visitor.flags, key=lambda f: (f["line"], f["kind"], f["what"])):
-        key = (f["line"], f["kind"], f["what"])
-        if key not in seen:
-            seen.add(key)
+    for f in sorted(flags, key=lambda f: f["line"]):
+        if (f["line"], f["kind"]) not in seen:
+            seen.add((f["line"], f["kind"]))
             out.append(f)
     return out
 
@@ -207,8 +96,7 @@ def review_files(files: dict[str, bytes | str]) -> list[dict]:
     """Flags over several files (path -> content), each with its ``file``."""
     out = []
     for path, data in sorted(files.items()):
-        text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
-        out += [{"file": path, **f} for f in review_source(text)]
+        out += [{"file": path, **f} for f in review_source(data)]
     return out
 
 
@@ -217,6 +105,94 @@ def format_flags(flags: list[dict]) -> str:
         return "staff review: nothing flagged"
     return "\n".join([f"staff review: {len(flags)} line(s) for a person to read (never shown to the student):"] +
                      [f"  {f['file']}:{f['line']}: {f['kind']}: {f['what']}  |  {f['code']}" for f in flags])
+
+
+def format_runtime(findings: list[dict]) -> list[str]:
+    """The runtime audit's findings in the static flags' one-line form, with the test and rank that saw each."""
+    out = []
+    for f in findings:
+        seen = f"{f['count']} times" if f.get("count", 1) > 1 else "once"
+        out.append(f"  {f['file']}:{f['line']}: {f['kind']}: {f['what']}  |  {f['code']}  "
+                   f"(runtime: {f['test'] or 'a test'}, rank {f['rank']}, {seen})")
+    return out
+
+
+# ---- the rank audit's findings (tests/rank_audit.py writes them; seams.md, seam 2) ---------------------------
+MAX_RUNTIME_FINDINGS = 100  # distinct findings kept; a flood of events must not blow up results.json
+MAX_AUDIT_BYTES = 8 << 20  # read no further into the audit log than this
+
+
+def read_runtime(path: Path) -> tuple[list[dict], list[str]]:
+    """The runtime findings in the JSON-lines file ``path`` (each ``file``, ``line``, ``kind``, ``what``, ``code``,
+    ``test``, ``rank``), merged when they repeat (``count``), at most MAX_RUNTIME_FINDINGS of them; and notes on
+    what was left out. A missing or unreadable file is no findings, said in one note."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_AUDIT_BYTES + 1)
+    except FileNotFoundError:
+        return [], [f"no runtime findings (no audit log {path.name} was written)"]
+    except OSError as err:
+        return [], [f"no runtime findings (the audit log {path.name} could not be read: {err.strerror or err})"]
+    notes = [f"the audit log is larger than {MAX_AUDIT_BYTES >> 20} MiB: only its start was read"] \
+        if len(data) > MAX_AUDIT_BYTES else []
+    merged: dict[tuple, dict] = {}
+    unreadable = dropped = 0
+    for raw in data[:MAX_AUDIT_BYTES].splitlines():
+        try:
+            item = json.loads(raw)
+        except ValueError:
+            item = None
+        if not isinstance(item, dict):
+            unreadable += bool(raw.strip())
+            continue
+        line = item.get("line")
+        rank = item.get("rank")
+        f = {"file": shown(str(item.get("file") or ""), 200), "line": line if type(line) is int else 0,
+             "kind": shown(str(item.get("kind") or "runtime"), 40), "what": shown(str(item.get("what") or ""), 300),
+             "code": shown(str(item.get("code") or ""), 160), "test": shown(str(item.get("test") or ""), 200),
+             "rank": rank if type(rank) is int else None, "source": "runtime"}
+        key = (f["file"], f["line"], f["kind"], f["what"])
+        if key in merged:
+            merged[key]["count"] += 1
+        elif len(merged) < MAX_RUNTIME_FINDINGS:
+            merged[key] = {**f, "count": 1}
+        else:
+            dropped += 1
+    if dropped:
+        notes.append(f"{dropped} further runtime event(s) beyond the first {MAX_RUNTIME_FINDINGS} distinct "
+                     f"findings were not kept")
+    if unreadable:
+        notes.append(f"{unreadable} line(s) of the audit log were not findings (not JSON objects)")
+    return sorted(merged.values(), key=lambda f: (f["file"], f["line"], f["kind"])), notes
+
+
+def add_staff_review(tree: Path, results: Path, say, audit_log: Path | None = None) -> None:
+    """The staff review of the graded task files in ``tree`` and the rank audit's findings (``audit_log``, by
+    default ``audit.jsonl`` beside ``results``: the file grade.py names in FSDP_AUDIT_LOG), printed through
+    ``say`` (the grader's log: instructors only, stdout_visibility is "hidden") and stored in results.json's
+    ``extra_data.staff_review`` = {"flags", "runtime", "files", "notes"}, which Gradescope stores and never
+    displays. Never fails the run: the grades stand without it."""
+    try:
+        from .intake import MAX_SUBMITTED_FILE_BYTES, task_files
+        files = {rel: (tree / rel).read_bytes()[:MAX_SUBMITTED_FILE_BYTES] for rel in task_files(tree)}
+        flags = review_files(files)
+        runtime, notes = read_runtime(audit_log or results.parent / "audit.jsonl")
+        lines = format_flags(flags).split("\n")
+        if runtime:
+            lines.append(f"staff review: the runtime audit reported {len(runtime)} finding(s) (never shown to "
+                         f"the student):")
+            lines += format_runtime(runtime)
+        lines += [f"staff review: {note}" for note in notes]
+        for line in lines:
+            say("grade: " + line)
+        data = json.loads(results.read_text())
+        data.setdefault("extra_data", {})["staff_review"] = {"flags": flags, "runtime": runtime,
+                                                             "files": sorted(files), "notes": notes}
+        tmp = results.with_name(results.name + ".review")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, results)
+    except Exception as err:  # the review is for a person; the grades stand without it
+        say(f"grade: staff review failed: {type(err).__name__}: {err}")
 
 
 def review_submission(entry: Path, wanted: list[str]) -> list[dict]:

@@ -1,6 +1,7 @@
-"""The staff review (staff/autograder/review.py, issue 32): code that reaches into the grader's machinery or around
-the process group is listed for a person, with file and line; a correct submission flags nothing; the student never
-sees the list. Static (``ast``), no grading run: about a second."""
+"""The staff review (staff/autograder/review.py, issues 32 and 36): code that reaches into the grader's machinery or
+around the process group is listed for a person, with file and line, however it is spelt (aliases, getattr with a
+built name, a coding cookie that hides lines); a correct submission flags nothing; the student never sees the list.
+Static (``ast``), no process spawned: about a second."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from staff.autograder import grade, results_schema, review
 from staff.grader_selftest.mutant_grading import reference_student_files
+from staff.grader_selftest.review_cases import HONEST, ISSUE_36, MORE
 
 pytestmark = pytest.mark.staff
 
@@ -48,7 +50,8 @@ CASES = {
                         {(2, "harness"), (3, "patch")}),
     "harness imported": ("import torch\nfrom tests.public.collectives import CountedProcessGroup\n",
                          {(2, "harness")}),
-    "sys.modules": ("import torch\nimport sys\nsys.modules['tests.harness'] = None\n", {(3, "sys.modules")}),
+    "sys.modules": ("import torch\nimport sys\nsys.modules['tests.harness'] = None\n",
+                    {(3, "sys.modules"), (3, "harness")}),
     "signal": ("import torch\nimport signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n", {(2, "signal")}),
     "kill the parent": ("import torch\nimport os\nos.kill(os.getppid(), 9)\n", {(3, "signal")}),
     "fork": ("import torch\nimport os\n\ndef f():\n    if os.fork() == 0:\n        pass\n", {(5, "process")}),
@@ -67,6 +70,39 @@ def test_each_case_is_flagged_with_its_line(case):
     source, expected = CASES[case]
     got = {(f["line"], f["kind"]) for f in review.review_source(source)}
     assert got == expected, f"{case}: flagged {got}, expected {expected}"
+
+
+EVASIONS = {**ISSUE_36, **MORE}
+
+
+@pytest.mark.parametrize("case", sorted(EVASIONS))
+def test_each_evasion_is_flagged_with_its_line(case):
+    """Issue 36's 27 spellings the review of issue 32 did not flag (the UTF-7 cookie among them), and more
+    spellings of the same accesses: each is flagged, on Python's line for it, with the expected kind."""
+    source, expected = EVASIONS[case]
+    flags = review.review_source(source)
+    got = {(f["line"], f["kind"]) for f in flags}
+    assert got == expected, f"{case}: flagged {got}, expected {expected}: {flags}"
+    assert all(f["code"] for f in flags if f["line"] > 0), f"{case}: a flag without its code: {flags}"
+
+
+def test_the_utf7_lie_is_read_as_python_reads_it():
+    """A coding cookie decides what runs: the review flags the cookie, and the lines hidden in the "comment"
+    are flagged on Python's line numbers, with the text Python runs as their code."""
+    source, _ = ISSUE_36["the UTF-7 cookie"]
+    namespace: dict = {}
+    exec(compile(source.replace(b"import torch\n", b"\n").replace(b"torch.UntypedStorage.size", b"SIZES_LIE"),
+                 "lie.py", "exec"), namespace)  # Python runs the hidden lines: the lie is real
+    assert "SIZES_LIE" in namespace and "_caller" in namespace
+    flags = {(f["line"], f["kind"]): f for f in review.review_source(source)}
+    assert "utf-7" in flags[(1, "encoding")]["what"]
+    assert flags[(5, "frame")]["code"] == "_caller = sys._getframe(1)"
+    assert flags[(6, "patch")]["what"] == "assigns torch.UntypedStorage.size"
+    assert b"sys._getframe" in source and source.count(b"\n") == 4  # four lines as written, seven as run
+
+
+def test_honest_idioms_are_not_flagged():
+    assert review.review_source(HONEST) == []
 
 
 def test_what_a_correct_implementation_does_is_not_flagged():
@@ -105,24 +141,67 @@ def test_the_reference_and_the_staff_alternatives_flag_nothing():
     assert review.review_files({**files, **{"stub/" + k: v for k, v in stubs.items()}}) == []
 
 
-def test_the_review_is_in_results_json_for_staff_only(tmp_path):
-    """grade.py adds the review to results.json where Gradescope stores it but shows nothing (extra_data), and
-    nowhere a student reads (the top-level output, any test's output or name)."""
+def _graded_tree(tmp_path: Path) -> tuple[Path, Path]:
     (tmp_path / "fsdp_assignment").mkdir()
     (tmp_path / "fsdp_assignment" / "task3_forward.py").write_text("import torch\nimport ctypes\n")
     (tmp_path / "fsdp_assignment" / "task1_meta_init.py").write_text("import torch\n")
-    results = tmp_path / "results.json"
+    results = tmp_path / "results" / "results.json"
+    results.parent.mkdir()
     results.write_text(json.dumps({"score": 1.0, "execution_time": 1, "output": "table", "stdout_visibility": "hidden",
                                    "tests": [{"name": "Task 3 public: t", "number": "3.1", "score": 1.0,
                                               "max_score": 1.0, "status": "passed", "output": "ok",
                                               "visibility": "visible"}]}))
-    grade.add_staff_review(tmp_path, results)
+    return tmp_path, results
+
+
+def test_the_review_is_in_results_json_for_staff_only(tmp_path):
+    """grade.py adds the review to results.json where Gradescope stores it but shows nothing (extra_data), and
+    nowhere a student reads (the top-level output, any test's output or name). No audit log: no runtime
+    findings, said once."""
+    tree, results = _graded_tree(tmp_path)
+    said: list[str] = []
+    review.add_staff_review(tree, results, said.append)
     data = json.loads(results.read_text())
     assert results_schema.validate(data) == []
-    flags = data["extra_data"]["staff_review"]["flags"]
-    assert [(f["file"], f["line"], f["kind"]) for f in flags] == [("fsdp_assignment/task3_forward.py", 2, "ctypes")]
+    staff = data["extra_data"]["staff_review"]
+    assert [(f["file"], f["line"], f["kind"]) for f in staff["flags"]] == [("fsdp_assignment/task3_forward.py", 2,
+                                                                            "ctypes")]
+    assert staff["runtime"] == [] and sum("no runtime findings" in line for line in said) == 1
+    assert "grade:   fsdp_assignment/task3_forward.py:2: ctypes: import ctypes  |  import ctypes" in said
     shown = json.dumps({"output": data["output"], "tests": data["tests"]})
     assert "ctypes" not in shown and "review" not in shown
+
+
+def test_runtime_findings_are_stored_and_printed_capped(tmp_path):
+    """The rank audit's findings (seam 3: JSON lines in audit.jsonl beside results.json) are stored under
+    staff_review.runtime and printed like static flags; repeats are merged with a count, a flood is capped at
+    MAX_RUNTIME_FINDINGS, and a line that is not a finding is counted, not trusted."""
+    tree, results = _graded_tree(tmp_path)
+    event = {"file": "fsdp_assignment/task3_forward.py", "line": 7, "kind": "frame", "what": "sys._getframe",
+             "code": "f = sys._getframe(1)", "test": "tests/public/test_task3_forward.py::test_x", "rank": 1,
+             "source": "runtime"}
+    flood = [dict(event, line=1000 + i, what=f"open /proc/{i}\u202e") for i in range(3 * review.MAX_RUNTIME_FINDINGS)]
+    lines = [json.dumps(event)] * 5 + ["not json", "[1, 2]"] + [json.dumps(f) for f in flood]
+    (results.parent / "audit.jsonl").write_text("\n".join(lines) + "\n")
+    said: list[str] = []
+    review.add_staff_review(tree, results, said.append)
+    runtime = json.loads(results.read_text())["extra_data"]["staff_review"]["runtime"]
+    assert len(runtime) == review.MAX_RUNTIME_FINDINGS
+    first = runtime[0]
+    assert (first["line"], first["kind"], first["count"], first["rank"], first["source"]) == (7, "frame", 5, 1,
+                                                                                              "runtime")
+    assert all("\u202e" not in f["what"] for f in runtime)  # shown escaped: the log cannot be reordered
+    assert ("grade:   fsdp_assignment/task3_forward.py:7: frame: sys._getframe  |  f = sys._getframe(1)  "
+            "(runtime: tests/public/test_task3_forward.py::test_x, rank 1, 5 times)") in said
+    assert any(f"{2 * review.MAX_RUNTIME_FINDINGS + 1} further runtime event(s)" in line for line in said)
+    assert any("2 line(s) of the audit log were not findings" in line for line in said)
+    assert len(json.dumps(runtime)) < 100_000
+
+
+def test_grade_adds_the_review_through_review_py():
+    """Seam 3: grade.py keeps only the call; the review (and the runtime findings) live in review.py."""
+    assert not hasattr(grade, "add_staff_review") or grade.add_staff_review is review.add_staff_review
+    assert "add_staff_review(tree, results, say)" in (ROOT / "staff" / "autograder" / "grade.py").read_text()
 
 
 def test_the_staff_command_reviews_a_folder_of_submissions(tmp_path, capsys):
@@ -143,3 +222,31 @@ def test_the_staff_command_reviews_a_folder_of_submissions(tmp_path, capsys):
         "bob.zip": [("fsdp_assignment/task7_fully_shard.py", 3, "patch")],
         "carol.zip": []}
     assert "bob.zip: 1 flag(s)" in capsys.readouterr().out
+
+
+def test_a_ta_reviews_every_case_as_zips(tmp_path, capsys):
+    """Every evasion as a student's zip, through the staff command a TA runs (python -m staff.autograder.review
+    SUBMISSIONS): each is flagged with its file and line, bytes and cookie as submitted."""
+    subs = tmp_path / "submissions"
+    subs.mkdir()
+    names = {}
+    for i, (case, (source, _)) in enumerate(sorted(EVASIONS.items())):
+        names[f"student{i:02d}.zip"] = case
+        with zipfile.ZipFile(subs / f"student{i:02d}.zip", "w") as zf:
+            zf.writestr("fsdp_assignment/task4_backward.py",
+                        source if isinstance(source, bytes) else source.encode("utf-8"))
+    out_json = tmp_path / "review.json"
+    assert review.main([str(subs), "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    for zip_name, case in names.items():
+        got = {(f["file"], f["line"], f["kind"]) for f in report[zip_name]}
+        assert got == {("fsdp_assignment/task4_backward.py", line, kind) for line, kind in EVASIONS[case][1]}, case
+    assert "nothing flagged" not in capsys.readouterr().out
+
+
+def test_help_says_what_the_review_reads_and_cannot_see(capsys):
+    with pytest.raises(SystemExit):
+        review.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split()).lower()
+    for words in ("coding cookie", "what it cannot see", "runtime audit", "audit.jsonl"):
+        assert words in text, f"review --help does not say {words!r}"
