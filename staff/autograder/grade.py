@@ -263,24 +263,6 @@ def write_failure(results: Path, output: str) -> None:
                                    "stdout_visibility": "hidden", "tests": []}, indent=1))
 
 
-def add_staff_review(tree: Path, results: Path) -> None:
-    """The staff review of the graded task files (review.py: code reaching into the grader or around the process
-    group, with file and line): printed in the log (instructors only: stdout_visibility is "hidden") and stored in
-    results.json's ``extra_data.staff_review``, which Gradescope stores and never displays. Never fails the run."""
-    try:
-        from .review import format_flags, review_files
-        files = {rel: (tree / rel).read_bytes()[:MAX_SUBMITTED_FILE_BYTES] for rel in task_files(tree)}
-        flags = review_files(files)
-        say("grade: " + format_flags(flags).replace("\n", "\ngrade: "))
-        data = json.loads(results.read_text())
-        data.setdefault("extra_data", {})["staff_review"] = {"flags": flags, "files": sorted(files)}
-        tmp = results.with_name(results.name + ".review")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, results)
-    except Exception as err:  # the review is for a person; the grades stand without it
-        say(f"grade: staff review failed: {type(err).__name__}: {err}")
-
-
 def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: float, rank_user: str | None,
                memory_mb: int, timeout_cap: float | None, extra: list[str], notes: list[str]) -> int:
     user, why = usable_rank_user(rank_user, tree)
@@ -315,7 +297,8 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
     from .cleanup import remove_folder
     remove_folder(run_tmp)  # after the rank user's processes are gone: nothing adds to it any more
     ensure_results(results, tail, code)
-    add_staff_review(tree, results)
+    from .review import add_staff_review  # the static review and the rank audit's findings (seam 3)
+    add_staff_review(tree, results, say)
     say(f"grade: pytest exit code {code}, {time.monotonic() - start:.1f} s; results in {results}")
     return 0
 
