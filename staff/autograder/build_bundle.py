@@ -63,6 +63,7 @@ BUNDLE_GLOBS = (
     "staff/autograder/grading_results.py",
     "staff/autograder/grade.py",
     "staff/autograder/intake.py",  # which files of a submission provide the task files (grade.py, review.py)
+    "staff/autograder/rank_user.py",  # whether the rank user can run the ranks here (grade.py)
     "staff/autograder/student_limits.py",  # the per-student memory watch the grading plugin runs
     "staff/autograder/cleanup.py",  # what is removed after every test (grading_plugin.py, grade.py)
     "staff/autograder/sanitize.py",  # every line the grader prints and every output in results.json

@@ -4,12 +4,14 @@
     python -m staff.autograder.grade --autograder-root /autograder    # Gradescope (run_autograder calls this)
     python -m staff.autograder.grade --zip submission.zip --results results.json   # one student's zip (TAs)
 
-Run it from the root of the tree it belongs to (it is a module of the package ``staff.autograder``; its parts
-are imported as package modules, so ``python -m staff.autograder.grade`` does not work).
+Run it as above, ``python -m staff.autograder.grade``, from the root of the tree it belongs to: that is the only
+way (it is a module of the package ``staff.autograder`` and imports its parts as package modules, so running the
+file itself, ``python staff/autograder/grade.py``, fails).
 
 Options: ``--budget S`` (tests not started by then are not run; default: --timeout minus 60 s), ``--timeout S``
 (the whole pytest run is killed after S seconds; default 540), ``--rank-user USER`` (run rank bodies as this
-unprivileged user when grading as root; ``none`` to never; default ``fsdp_student``), ``--rank-memory-mb N`` (each
+unprivileged user when grading as root; ``none`` to never; default ``fsdp_student``), ``--allow-root-ranks`` (with
+``--zip`` as root: run the ranks as root when the rank user cannot run them), ``--rank-memory-mb N`` (each
 rank's memory limit above its start-up usage; default 256), ``--timeout-cap S`` (cap every harness timeout, for
 the staff's own tests of broken submissions). Anything after ``--`` goes to pytest (``-k``, ``-m``, ``-x``, ...).
 
@@ -21,7 +23,10 @@ holds every graded test.
 ``--zip Z`` grades one student's zip (as ``make_submission.sh`` makes it) the way Gradescope would: it lays out a
 fresh ``R`` in a temporary folder (``R/source``: this tree's bundle, ``build_bundle.stage``; ``R/submission``: the
 zip), grades it in Gradescope mode, writes results.json (``--results``, default ./results.json) and removes ``R``
-(``--keep`` keeps it). Run it as root to have rank bodies run as the rank user (``sudo``; else as you).
+(``--keep`` keeps it). Run it as root to have rank bodies run as the rank user (``sudo``; else as you). As root,
+it never runs the submission's ranks as root: when the rank user cannot run this Python (a pyenv under a 0700
+/root), it names the path it cannot reach and how to fix it, and stops, unless ``--allow-root-ranks``. It prints
+its progress as it goes ("graded 12/76 tests, 95 s"); on a busy machine raise ``--timeout`` (and ``--budget``).
 
 In Gradescope mode (``--autograder-root R``) it first builds a clean grading tree in ``R/grading`` from the
 staff tree ``R/source`` and copies in **only** the seven task files from ``R/submission`` (at their repository
@@ -44,6 +49,8 @@ from pathlib import Path
 
 from .intake import (MAX_SUBMISSION_ENTRIES, MAX_SUBMITTED_FILE_BYTES, MAX_ZIP_BYTES, find_in_zips,  # noqa: F401
                      find_submitted, install_submission, read_submitted, take_submission, task_files)
+from .rank_user import (cannot_read, first_unreadable, rank_user_paths, syscall_filter_note,  # noqa: F401
+                        usable_rank_user)
 from .sanitize import LineSanitizer, sanitize
 
 HERE = Path(__file__).resolve().parent
@@ -57,7 +64,7 @@ RANK_FILE_LIMIT_BYTES = 256 << 20
 # All of the rank user's processes, its tmpfs files and shared memory together (student_limits.py): room for 4
 # ranks at their limit and their start-up memory; 8 children of 350 MB, or 1.5 GB in /dev/shm, do not fit.
 STUDENT_MEMORY_EXTRA_BYTES = 1 << 30
-RANK_MAX_PROCESSES = 512  # RLIMIT_NPROC of the rank user: processes and threads (4 ranks use about 60)
+RANK_MAX_PROCESSES = 2048  # RLIMIT_NPROC of the rank user: 4 ranks of 64 gloo groups use ~800 threads; two gradings
 TEST_DIRS = ("tests/public", "tests/hidden")
 
 
@@ -102,75 +109,6 @@ def lock_down(tree: Path) -> None:
         path = path.parent
 
 
-# ---- the rank user ---------------------------------------------------------------------------------------
-def usable_rank_user(user: str | None, tree: Path) -> tuple[str | None, str]:
-    """``user`` if rank bodies can run as it here (we are root, it exists, and it can read Python, torch and
-    the tree), else None; and why."""
-    if not user or user == "none":
-        return None, "ranks run as the grading user (no --rank-user)"
-    if os.geteuid() != 0:
-        return None, "ranks run as the grading user (not root, so no other user to run them as)"
-    import pwd
-    try:
-        entry = pwd.getpwnam(user)
-    except KeyError:
-        return None, f"ranks run as root: user {user!r} does not exist (setup.sh creates it)"
-    if entry.pw_uid == 0:
-        return None, f"ranks run as root: user {user!r} is root"
-    import importlib.util
-    torch_spec = importlib.util.find_spec("torch")
-    paths = [sys.executable, os.__file__, str(tree / "adapters.py"), str(tree / "tests" / "harness.py"),
-             str(tree / "tests" / "rank_isolation.py")]
-    if torch_spec is not None and torch_spec.origin:
-        paths.append(torch_spec.origin)
-    pid = os.fork()
-    if pid == 0:  # the probe: can that user read all of these?
-        try:
-            os.setgroups([])
-            os.setgid(entry.pw_gid)
-            os.setuid(entry.pw_uid)
-            ok = all(os.access(p, os.R_OK) for p in paths)
-        except BaseException:
-            ok = False
-        os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        return None, (f"ranks run as root: user {user!r} cannot read Python, torch or the grading tree "
-                      f"({', '.join(paths)})")
-    return user, f"rank bodies run as user {user!r} (uid {entry.pw_uid})"
-
-
-def syscall_filter_note(tree: Path) -> str:
-    """Whether the ranks will refuse memfd_create and unshare here (tests/rank_isolation.py installs a seccomp
-    filter in each rank; where the kernel or the container does not allow one, only the memory count applies):
-    tried once in a child process, for the staff's log."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        why = "?"
-        try:
-            # This tree's tests package (run as ``python -m`` from the tree's root; the source and the grading
-            # tree hold the same file).
-            from tests.rank_isolation import refuse_hidden_memory
-            why = refuse_hidden_memory()
-            if not why:
-                try:
-                    os.close(os.memfd_create("probe"))
-                    why = "memfd_create still works under the filter"
-                except OSError:
-                    pass
-        except BaseException as err:
-            why = f"the filter could not be tried: {type(err).__name__}: {err}"
-        finally:
-            os.write(write, why.encode()[:1000])
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        why = f.read().decode(errors="replace")
-    os.waitpid(pid, 0)
-    return why or "ranks refuse memfd_create, memfd_secret, unshare, setns and namespace clones (seccomp)"
-
-
 # ---- running ---------------------------------------------------------------------------------------------
 def pytest_command(tree: Path, results: Path, budget: float, extra: list[str], notes: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "pytest",
@@ -198,9 +136,79 @@ def grading_env(tree: Path, rank_user: str | None, memory_mb: int, timeout_cap: 
     return env
 
 
-def run_pytest(cmd: list[str], tree: Path, env: dict[str, str], timeout: float) -> tuple[int | None, str]:
+PROGRESS_EVERY_S = 10.0  # a progress line when a test has finished since the last one, at most this often ...
+PROGRESS_QUIET_S = 60.0  # ... and at least this often while a test runs (pytest -q prints no line of its own)
+PROGRESS_CHECK_S = 2.0  # how often results.json is looked at
+NOT_STARTED = "not run: the grading run was stopped before this test ran"  # grading_results.test_output's bodies
+RUNNING = "did not finish:"
+SHORT_OF_TIME = ("not run, for time", "not run: the grading time budget", RUNNING)
+
+
+def _bodies(results: Path) -> list[tuple[str, str]]:
+    """(name, what happened) of every graded test in results.json, as the plugin last wrote it; [] before."""
+    try:
+        tests = json.loads(results.read_text())["tests"]
+        return [(t["name"], t["output"].split("\n\n", 1)[-1]) for t in tests]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def progress(results: Path) -> tuple[int, int, str]:
+    """(tests finished, tests graded, the one running or "") from results.json, which the plugin rewrites as
+    each test starts and ends."""
+    bodies = _bodies(results)
+    running = next((name for name, body in bodies if body.startswith(RUNNING)), "")
+    done = sum(not body.startswith((NOT_STARTED, RUNNING)) for _, body in bodies)
+    return done, len(bodies), running
+
+
+def time_was_short(results: Path) -> bool:
+    """Did the run cut a test for time (its share, the budget, or the kill at --timeout)?"""
+    return any(body.startswith(SHORT_OF_TIME) for _, body in _bodies(results))
+
+
+def load_note() -> str:
+    """How busy the machine is, and how to give a busy machine more time."""
+    try:
+        load = f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs now"
+    except OSError:
+        load = f"{os.cpu_count()} CPUs"
+    return (f"{load}; on a busy machine give the run more time with both, e.g. `--timeout 1200 --budget 1140` "
+            f"(each test's own limit already allows for a machine 30 times slower than quiet)")
+
+
+class Progress:
+    """One line now and then while pytest runs: "graded 12/76 tests, 95 s; running: <test>"."""
+
+    def __init__(self, results: Path | None):
+        self.results, self.start = results, time.monotonic()
+        self.shown, self.said_at, self.checked_at = None, self.start, self.start
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self.results is None or now - self.checked_at < PROGRESS_CHECK_S:
+            return
+        self.checked_at = now
+        try:
+            mtime = self.results.stat().st_mtime
+        except OSError:
+            return
+        if mtime < time.time() - (now - self.start):  # a results.json from before this run
+            return
+        done, total, running = progress(self.results)
+        if ((done, running) != self.shown and now - self.said_at >= PROGRESS_EVERY_S) \
+                or now - self.said_at >= PROGRESS_QUIET_S:
+            say(f"grade: graded {done}/{total} tests, {now - self.start:.0f} s"
+                + (f"; running: {running}" if running else ""))
+            self.shown, self.said_at = (done, running), now
+
+
+def run_pytest(cmd: list[str], tree: Path, env: dict[str, str], timeout: float,
+               results: Path | None = None) -> tuple[int | None, str]:
     """Run pytest in its own session; kill the whole session at ``timeout``. Returns (exit code or None when
-    killed, the tail of its output), and echoes its output as it goes."""
+    killed, the tail of its output), and echoes its output as it goes, with a progress line now and then (read
+    from ``results``)."""
+    shown = Progress(results)
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     tail: list[str] = []
@@ -216,7 +224,8 @@ def run_pytest(cmd: list[str], tree: Path, env: dict[str, str], timeout: float) 
         if left <= 0:
             killed = True
             break
-        if not sel.select(timeout=min(left, 1.0)):
+        shown.tick()
+        if not sel.select(timeout=min(left, 1.0, PROGRESS_CHECK_S)):
             if proc.poll() is not None:
                 break
             continue
@@ -228,7 +237,7 @@ def run_pytest(cmd: list[str], tree: Path, env: dict[str, str], timeout: float) 
         buf = (buf + chunk)[-20000:]
     sys.stdout.write(log.close())
     if killed:
-        say(f"\ngrade: the grading run exceeded {timeout:g} s and was killed")
+        say(f"\ngrade: the grading run exceeded {timeout:g} s (--timeout) and was killed; {load_note()}")
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # pytest and anything left in its session
     except (ProcessLookupError, PermissionError):
@@ -264,12 +273,23 @@ def write_failure(results: Path, output: str) -> None:
 
 
 def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: float, rank_user: str | None,
-               memory_mb: int, timeout_cap: float | None, extra: list[str], notes: list[str]) -> int:
+               memory_mb: int, timeout_cap: float | None, extra: list[str], notes: list[str],
+               refuse_root_ranks: bool = False) -> int:
+    """Grade ``tree``; 0, or 2 when ``refuse_root_ranks`` (``--zip`` without ``--allow-root-ranks``) and the
+    submission's ranks would run as root: then nothing is run and no results.json is written."""
     user, why = usable_rank_user(rank_user, tree)
+    if refuse_root_ranks and user is None and os.geteuid() == 0:
+        say(f"grade: refusing to run the submission's ranks as root (they run its code): "
+            f"{why.removeprefix('ranks run as root: ')}")
+        say("grade: nothing was run. Fix that and grade again, or add --allow-root-ranks to run the ranks as root "
+            "anyway (only for code you trust)")
+        return 2
     say(f"grade: {why}")
     if user:
         say(f"grade: {syscall_filter_note(tree)}")
     budget = budget if budget is not None else max(30.0, timeout - 60.0)
+    say(f"grade: the whole run is killed after {timeout:.0f} s (--timeout), and tests not started {budget:.0f} s "
+        f"after it began are not run (--budget); {load_note()}")
     cmd = pytest_command(tree, results, budget, extra, notes)
     env = grading_env(tree, user, memory_mb, timeout_cap)
     # The run's own TMPDIR: every run_ranks folder (fsdp-ranks-*, with each rank's TMPDIR in it) and pytest's
@@ -280,7 +300,7 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
     os.chmod(run_tmp, 0o711)  # the rank user passes through to its own folders, and lists nothing
     env["TMPDIR"] = run_tmp
     start = time.monotonic()
-    code, tail = run_pytest(cmd, tree, env, timeout)
+    code, tail = run_pytest(cmd, tree, env, timeout, results=results)
     if user:  # anything of the rank user's still alive (escaped its session?) or left in /tmp goes now
         import pwd
         from .cleanup import clean_up_after_test, world_writable_places
@@ -299,6 +319,10 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
     ensure_results(results, tail, code)
     from .review import add_staff_review  # the static review and the rank audit's findings (seam 3)
     add_staff_review(tree, results, say)
+    done, total, _ = progress(results)
+    if code is None or done < total or time_was_short(results):
+        say(f"grade: {total - done} of {total} tests did not finish or were not run for time; "
+            f"{load_note()}")
     say(f"grade: pytest exit code {code}, {time.monotonic() - start:.1f} s; results in {results}")
     return 0
 
@@ -350,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m staff.autograder.grade", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=None,
                         help="results.json to write (default: R/results/results.json with --autograder-root, "
                              "./results.json with --zip, else <tree>/results.json)")
@@ -364,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds: the whole run is killed")
     parser.add_argument("--rank-user", default=DEFAULT_RANK_USER,
                         help="run rank bodies as this user when grading as root ('none': never)")
+    parser.add_argument("--allow-root-ranks", action="store_true",
+                        help="with --zip as root: run the submission's ranks as root when the rank user cannot run "
+                             "them (by default grading refuses, naming the path that user cannot read)")
     parser.add_argument("--rank-memory-mb", type=int, default=DEFAULT_RANK_MEMORY_MB,
                         help="each rank's memory limit above its start-up usage")
     parser.add_argument("--timeout-cap", type=float, default=None, help="cap every harness timeout (staff tests)")
@@ -393,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout = max(1.0, args.timeout - (time.monotonic() - started))
         return grade_tree(tree, results.resolve(), budget=args.budget, timeout=timeout,
                           rank_user=args.rank_user, memory_mb=args.rank_memory_mb, timeout_cap=args.timeout_cap,
-                          extra=extra, notes=notes)
+                          extra=extra, notes=notes, refuse_root_ranks=layout is not None and not args.allow_root_ranks)
     finally:
         if layout is not None and not args.keep:
             from .cleanup import remove_folder

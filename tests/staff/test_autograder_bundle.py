@@ -64,7 +64,7 @@ def test_bundle_contents_and_no_reference(bundle):
     assert {"setup.sh", "run_autograder"} <= set(entries)
     assert modes["setup.sh"] & 0o111 and modes["run_autograder"] & 0o111, "the scripts must be executable"
     for needed in ("adapters.py", "tests/harness.py", "tests/conftest.py", "tests/points.py",
-                   "staff/autograder/grade.py", "staff/autograder/grading_plugin.py"):
+                   "staff/autograder/grade.py", "staff/autograder/grading_plugin.py", "staff/autograder/rank_user.py"):
         assert needed in entries
     assert any(n.startswith("tests/hidden/test_") for n in entries) and any(n.startswith("tests/public/test_")
                                                                             for n in entries)

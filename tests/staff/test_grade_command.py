@@ -185,7 +185,7 @@ def test_the_runs_tmpdir_goes_with_whatever_a_rank_left_in_it(tmp_path, monkeypa
     (outside / "kept").write_text("x")
     seen = {}
 
-    def fake_run(cmd, tree, env, timeout):
+    def fake_run(cmd, tree, env, timeout, results=None):
         seen["tmp"] = Path(env["TMPDIR"])
         _deep_tree(seen["tmp"] / "fsdp-ranks-left" / "rank" / "tmp", outside)
         return 0, ""
@@ -222,6 +222,100 @@ def test_grading_a_zip_grades_its_task_files_in_a_fresh_tree_and_removes_it(tmp_
     assert not seen["reference"]
     assert seen["results"] == tmp_path / "results.json"
     assert not seen["tree"].parent.exists(), "the fresh layout was left behind"
+
+
+def _zip(tmp_path: Path) -> Path:
+    zip_path = tmp_path / "submission.zip"
+    with zipfile.ZipFile(zip_path, "w") as zf:
+        zf.writestr("fsdp_assignment/task3_forward.py", "SUBMITTED = 3\n")
+    return zip_path
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the refusal is about grading as root")
+def test_grading_a_zip_as_root_never_runs_the_submission_as_root(tmp_path, monkeypatch, capsys):
+    """Issue 36: as root, with a Python the rank user cannot read (a pyenv under a 0700 /root), ``grade --zip``
+    listed six paths and ran the submission's ranks as root. Now it names the one path and the folder in the way,
+    says how to fix it, and runs nothing, unless --allow-root-ranks. Simulated with a real unprivileged user
+    (``nobody``) and a Python in a 0700 folder."""
+    import pwd
+    from staff.autograder import rank_user
+    try:
+        pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user 'nobody' here")
+    private = tmp_path / "private"
+    (private / "bin").mkdir(parents=True)
+    os.chmod(private, 0o700)
+    python = private / "bin" / "python"
+    python.write_text("")
+    monkeypatch.setattr(rank_user, "rank_user_paths", lambda tree: [str(python)])
+    started = []
+
+    def fake_run(cmd, tree, env, timeout, results=None):
+        started.append(env)
+        return 0, ""
+
+    monkeypatch.setattr(grade, "run_pytest", fake_run)
+    results = tmp_path / "results.json"
+    # The first folder on the way that others cannot enter (tmp_path's own parents may be 0700 too).
+    blocker = next(str(d) for d in reversed(python.parents) if not d.stat().st_mode & 0o001)
+    for user in ("nobody", "none"):
+        assert grade.main(["--zip", str(_zip(tmp_path)), "--rank-user", user, "--results", str(results)]) == 2
+        log = capsys.readouterr().out
+        assert not started and not results.exists(), log
+        assert "refusing to run the submission's ranks as root" in log and "--allow-root-ranks" in log, log
+    assert grade.main(["--zip", str(_zip(tmp_path)), "--rank-user", "nobody", "--results", str(results)]) == 2
+    log = capsys.readouterr().out
+    assert f"user 'nobody' cannot read {python}: it cannot enter {blocker}" in log, log
+    assert f"`chmod o+x {blocker}`" in log and "/root/.pyenv" not in log.replace(str(python), ""), log
+    # Told to: the ranks run as root (no rank user in the grading run's environment).
+    assert grade.main(["--zip", str(_zip(tmp_path)), "--rank-user", "nobody", "--allow-root-ranks",
+                       "--results", str(results)]) == 0
+    assert len(started) == 1 and "FSDP_RANK_USER" not in started[0]
+    assert "ranks run as root: user 'nobody' cannot read" in capsys.readouterr().out
+
+
+def test_the_grading_run_says_how_far_it_got_as_it_goes(tmp_path, monkeypatch, capsys):
+    """Issue 36: ``grade --zip`` was silent for 6.5 minutes at load 11 (pytest -q prints a line only at the end
+    of a row of dots). The grader prints "graded N/M tests, S s; running: <test>" from results.json, which the
+    plugin rewrites as each test starts and ends."""
+    import json
+    results = tmp_path / "results.json"
+    pending = "not run: the grading run was stopped before this test ran (a global time limit or a crash)"
+    states = [[pending, pending],
+              ["did not finish: the grading run was stopped while this test was running", pending],
+              ["passed (0.1 s)", "did not finish: the grading run was stopped while this test was running"],
+              ["passed (0.1 s)", "failed:\n\nboom"]]
+    script = tmp_path / "fake_pytest.py"
+    script.write_text(
+        "import json, os, sys, time\n"
+        f"states = {json.dumps(states)}\n"
+        "for a, b in states:\n"
+        "    tests = [{'name': n, 'output': 'head\\n\\n' + o} for n, o in (('Task 1 public: A', a),\n"
+        "                                                                  ('Task 1 public: B', b))]\n"
+        f"    open({str(results)!r} + '.tmp', 'w').write(json.dumps({{'tests': tests}}))\n"
+        f"    os.replace({str(results)!r} + '.tmp', {str(results)!r})\n"
+        "    time.sleep(0.6)\n")
+    monkeypatch.setattr(grade, "PROGRESS_CHECK_S", 0.05)
+    monkeypatch.setattr(grade, "PROGRESS_EVERY_S", 0.0)
+    code, _ = grade.run_pytest([sys.executable, str(script)], tmp_path, dict(os.environ), 60, results=results)
+    log = capsys.readouterr().out
+    assert code == 0
+    import re
+    for line in (r"graded 0/2 tests, \d+ s", r"graded 0/2 tests, \d+ s; running: Task 1 public: A",
+                 r"graded 1/2 tests, \d+ s; running: Task 1 public: B"):  # (a line each, however slow the machine)
+        assert re.search(f"^grade: {line}$", log, re.MULTILINE), (line, log)
+    assert grade.progress(results) == (2, 2, "")
+    assert "--timeout 1200 --budget 1140" in grade.load_note()
+
+
+def test_help_says_how_to_run_it_and_how_to_give_a_busy_machine_more_time(capsys):
+    """Its --help said "``python -m staff.autograder.grade`` does not work", the opposite of what it meant."""
+    with pytest.raises(SystemExit):
+        grade.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "does not work" not in out and "usage: python -m staff.autograder.grade" in out
+    assert "that is the only way" in out and "raise ``--timeout``" in out and "--allow-root-ranks" in out
 
 
 # What a correct design may need beside its tensors: one gloo process group per unit, for the largest model a graded
