@@ -166,6 +166,6 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
 
 
 def fsdp_units(module: nn.Module) -> list:
-    """Every FSDPUnit in ``module``'s subtree (module pre-order), for tests that inspect state (provided code)."""
+    """Every FSDPUnit in ``module``'s subtree (parents before children), for tests that inspect state (provided code)."""
     from fsdp_assignment.support.state import fsdp_units
     return fsdp_units(module)

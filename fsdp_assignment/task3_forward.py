@@ -4,16 +4,22 @@ A unit's forward runs with its full parameters, and the unit gives their memory 
 observe, for every unit and every forward:
 
 - when the unit's module computes, ``unsharded`` holds every rank's shard in rank order, in the unit's
-  ``param_dtype`` (the parameters' dtype when None), and the original parameter names are views of it; the
-  output equals single-process PyTorch's (relative error at most 1e-6 in fp32), in a second forward too;
+  ``param_dtype`` (the parameters' dtype when None), and the original parameter names are views of it through
+  which gradients reach ``unsharded.grad``, also after a forward under ``torch.no_grad()``; the output equals
+  single-process PyTorch's (relative error at most 1e-6 in fp32), in a second forward too;
+- with ``unit.param_dtype`` set and ``unit.cast_forward_inputs`` true, the module receives every floating-point
+  tensor of its inputs (positional and keyword, nested lists, tuples and dicts included) in ``param_dtype``;
+  other values, and everything otherwise, unchanged; its output is returned unchanged;
 - a forward all-gathers each of the unit's FlatParameters once (``shard_numel`` elements per rank, in the
   unsharded dtype) and communicates nothing else;
 - after the unit's forward with ``reshard_after_forward`` (the root too) its unsharded storage has size 0
-  and the memory is really free; without it the unit stays unsharded.
+  and the memory is really free; without it the unit stays unsharded;
+- a buffer is never freed while an all-gather into it may still write (Task 6 issues gathers ahead of time, for
+  a unit that may then not run).
 
 Problems to solve: running code around a module's forward without touching the model's code; refilling a
-buffer whose views autograd saved, without autograd rejecting them in backward; keeping the gradient path
-after a forward under ``torch.no_grad()``.
+buffer whose views autograd saved, without autograd rejecting them in backward, whether the gather completes
+at once or later (Task 6); keeping the gradient path after a forward under ``torch.no_grad()``.
 """
 # This file is generated from the staff reference by staff/make_stubs.py: the signatures and
 # docstrings are the specification. Replace each `raise NotImplementedError` with your code; you may
@@ -43,7 +49,8 @@ def unshard(flat_param: FlatParameter, group: dist.ProcessGroup | None = None, *
     on a GPU the collective reads it later.
 
     Views of ``unsharded`` that autograd saved in an earlier forward stay usable: a later backward must not fail
-    with "one of the variables needed for gradient computation has been modified by an inplace operation".
+    with "one of the variables needed for gradient computation has been modified by an inplace operation",
+    whether the gather completes before ``unshard`` returns or later, at ``wait()`` (Task 6's prefetch).
 
     The tests count collectives through the process group, whatever function you call; the benchmarks count
     and delay them by patching ``torch.distributed``: call them as ``dist.<name>`` (not ``from
@@ -57,52 +64,17 @@ def reshard(flat_param: FlatParameter) -> None:
     raise NotImplementedError("Task 3: implement reshard() in fsdp_assignment/task3_forward.py (see its docstring)")
 
 
-def wait_for_unshard(unit: FSDPUnit) -> None:
-    """Make ``unit`` UNSHARDED (a suggested helper; the tests do not call it): its buffers hold the gathered
-    data (all-gathered now, or by Task 6's prefetch still in ``unit.pending_unshard``; not gathered again when
-    already unsharded), and its parameter names are views through which gradients reach ``unsharded.grad``,
-    also after a forward under ``torch.no_grad()``."""
-    raise NotImplementedError("Task 3: implement wait_for_unshard() in fsdp_assignment/task3_forward.py (see its docstring)")
-
-
-def reshard_unit(unit: FSDPUnit) -> None:
-    """Free every unsharded buffer of ``unit`` and mark it SHARDED (a suggested helper; the tests do not call
-    it). A buffer must never be freed while an all-gather into it may still write (``unit.pending_unshard``: a
-    unit prefetched that then did not run); no handle may be left unwaited when backward returns."""
-    raise NotImplementedError("Task 3: implement reshard_unit() in fsdp_assignment/task3_forward.py (see its docstring)")
-
-
-def cast_forward_inputs(unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """With ``unit.param_dtype`` set and ``unit.cast_forward_inputs`` true, cast every floating-point tensor
-    in ``args``/``kwargs`` (nested lists, tuples and dicts included) to ``param_dtype``, the dtype of the
-    unsharded parameters; other values, and everything when either is unset, are returned unchanged."""
-    raise NotImplementedError("Task 3: implement cast_forward_inputs() in fsdp_assignment/task3_forward.py (see its docstring)")
-
-
 class ForwardHooks:
     """A unit's life cycle in forward.
 
     The tests call only ``ForwardHooks().register(unit)``; afterwards every call of ``unit.module`` keeps the
-    module docstring's rules, with its floating-point inputs (positional and keyword) cast by
-    ``cast_forward_inputs`` and its output unchanged. Tasks 4 and 6 provide ``BackwardHooks().register(unit)``
-    and ``PrefetchHooks().register(unit)`` likewise, each installing the life cycle up to its task.
-
-    Suggested decomposition (you may restructure it): the steps are methods that Tasks 4
-    and 6 override in subclasses (``BackwardHooks(ForwardHooks)``, ``PrefetchHooks(BackwardHooks)``), calling
-    ``super()`` for the rest; state lives on ``FSDPUnit`` and ``SharedState``, not on this class.
+    module docstring's rules. Tasks 4 and 6 provide ``BackwardHooks(ForwardHooks)`` and
+    ``PrefetchHooks(BackwardHooks)`` likewise, whose ``register`` installs the life cycle up to their task, and
+    Task 7's ``fully_shard`` registers ``PrefetchHooks``. Which methods and helpers the life cycle is made of,
+    and how the later classes extend them, is your design; state lives on ``FSDPUnit`` and ``SharedState``.
     """
 
     def register(self, unit: FSDPUnit) -> None:
-        """Install this life cycle on ``unit.module`` (``pre_forward`` before its forward, ``post_forward``
-        after it), for every later call of the module. Called once per unit."""
+        """Install this life cycle on ``unit.module``, for every later call of the module. Called once per
+        unit."""
         raise NotImplementedError("Task 3: implement ForwardHooks.register() in fsdp_assignment/task3_forward.py (see its docstring)")
-
-    def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Runs before ``unit.module.forward``: mark the unit FORWARD, make it UNSHARDED
-        (``wait_for_unshard``) and return the inputs cast by ``cast_forward_inputs``."""
-        raise NotImplementedError("Task 3: implement ForwardHooks.pre_forward() in fsdp_assignment/task3_forward.py (see its docstring)")
-
-    def post_forward(self, unit: FSDPUnit, output):
-        """Runs after ``unit.module.forward``: reshard the unit if ``unit.reshard_after_forward`` (the root
-        too), mark it IDLE, and return ``output`` unchanged."""
-        raise NotImplementedError("Task 3: implement ForwardHooks.post_forward() in fsdp_assignment/task3_forward.py (see its docstring)")

@@ -17,7 +17,8 @@ issued relative to every module's forward and backward:
   backward computation of the unit whose backward precedes it begins and before that unit's reduce-scatter (the
   last unit of the forward: before its own backward computation, the root's backward running first);
 - reduce-scatters: all asynchronous, at most one in flight at any moment, each still in flight when the backward
-  reaches the next unit, all landed in ``shard.grad`` when ``loss.backward()`` returns;
+  reaches the next unit (its input alive until then), all landed in ``shard.grad``, in issue order, when
+  ``loss.backward()`` returns;
 - at most two non-root units unsharded at any moment (the one computing, the one prefetched; with nested units,
   plus the units the one computing is nested in), also during an
   activation-checkpointing recomputation, after an order change and with a unit run twice; each unit all-gathered
@@ -59,52 +60,7 @@ def set_prefetch(module: nn.Module, enabled: bool) -> None:
     raise NotImplementedError("Task 6: implement set_prefetch() in fsdp_assignment/task6_prefetch.py (see its docstring)")
 
 
-def record_forward_order(unit: FSDPUnit) -> None:
-    """Suggested helper (the tests do not call it): note that ``unit``'s forward has begun, for the order
-    the prefetches follow: the previous forward's whole order (forward prefetch) and this forward's so far
-    (backward prefetch, and what already ran). ``SharedState`` provides fields for both; any structure works."""
-    raise NotImplementedError("Task 6: implement record_forward_order() in fsdp_assignment/task6_prefetch.py (see its docstring)")
-
-
-def prefetch_forward(unit: FSDPUnit) -> None:
-    """Suggested helper: issue, asynchronously, the all-gather of the unit expected to run after ``unit``
-    in this forward, within the module docstring's bounds. Task 3's ``wait_for_unshard`` waits on the handles
-    it finds in the prefetched unit's ``pending_unshard`` instead of gathering again."""
-    raise NotImplementedError("Task 6: implement prefetch_forward() in fsdp_assignment/task6_prefetch.py (see its docstring)")
-
-
-def prefetch_backward(unit: FSDPUnit) -> None:
-    """Suggested helper: issue, asynchronously, the all-gather of the unit whose backward runs right after
-    ``unit``'s (the module docstring's backward order; the root's backward runs first, although it also ran
-    first in forward)."""
-    raise NotImplementedError("Task 6: implement prefetch_backward() in fsdp_assignment/task6_prefetch.py (see its docstring)")
-
-
 class PrefetchHooks(BackwardHooks):
     """Task 4's life cycle plus prefetching, while ``unit.shared.prefetch`` is on (read at every use, never
-    cached): forward and backward all-gather prefetch, and asynchronous reduce-scatters. With prefetching off
-    every method behaves exactly as Task 4's. The tests call only ``PrefetchHooks().register(unit)``; Task 7's
-    ``fully_shard`` registers this class. Suggested decomposition (you may restructure it): Task 4's methods,
-    four of them overridden below."""
-
-    def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Task 4's ``pre_forward``; with prefetching on, also the forward's share of the order and of the
-        forward prefetch (the module docstring's rules, bound included). A forward that runs during backward
-        (an activation-checkpointing recomputation) neither records the order nor prefetches."""
-        raise NotImplementedError("Task 6: implement PrefetchHooks.pre_forward() in fsdp_assignment/task6_prefetch.py (see its docstring)")
-
-    def pre_backward(self, unit: FSDPUnit) -> None:
-        """Task 4's ``pre_backward``, then, with prefetching on (only then), ``prefetch_backward(unit)``: the
-        next unit's all-gather is issued before this unit's backward computation starts."""
-        raise NotImplementedError("Task 6: implement PrefetchHooks.pre_backward() in fsdp_assignment/task6_prefetch.py (see its docstring)")
-
-    def reduce_scatter(self, unit: FSDPUnit, flat_param: FlatParameter, grad: torch.Tensor) -> None:
-        """With prefetching on: the reduce-scatter is asynchronous, at most one is in flight at any moment,
-        and it is still in flight when the backward reaches the next unit (the module docstring); its input
-        must stay alive until the collective has read it, and its result lands in ``shard.grad`` by the end of
-        backward (``wait_for_reductions``). Off: Task 4's synchronous ``reduce_scatter``."""
-        raise NotImplementedError("Task 6: implement PrefetchHooks.reduce_scatter() in fsdp_assignment/task6_prefetch.py (see its docstring)")
-
-    def wait_for_reductions(self, shared: SharedState) -> None:
-        """Finish every reduction still in flight: each lands in ``shard.grad``, in issue order."""
-        raise NotImplementedError("Task 6: implement PrefetchHooks.wait_for_reductions() in fsdp_assignment/task6_prefetch.py (see its docstring)")
+    cached); with prefetching off, exactly Task 4's. The tests call only ``PrefetchHooks().register(unit)``;
+    Task 7's ``fully_shard`` registers this class."""

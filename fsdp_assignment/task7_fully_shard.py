@@ -33,7 +33,6 @@ Two bonus keywords, spelled as FSDP2 spells them (the required tasks never pass 
 
 from __future__ import annotations
 
-import weakref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -111,13 +110,6 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
         raise NotImplementedError("Bonus (CPU offload): fully_shard(offload_policy=CPUOffloadPolicy()) is not "
                                   "implemented")
     raise NotImplementedError("Task 7: implement fully_shard() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
-
-
-def lazy_init(root: FSDPUnit) -> None:
-    """Suggested helper (the tests do not call it): make ``root`` the root of every unit in its module's
-    subtree, all sharing one ``SharedState`` (``init_shared_state`` is provided). ``root`` is the unit whose
-    forward runs first; ``set_prefetch`` (Task 6) may have created the state earlier."""
-    raise NotImplementedError("Task 7: implement lazy_init() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:

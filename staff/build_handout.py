@@ -10,7 +10,8 @@ no TeX)::
 What goes into the PDF besides the Typst files under ``handout/``: the build extracts, and passes to Typst as JSON
 through ``sys.inputs``, so that the handout uses the same words as the files students work with:
 
-- each task stub's public functions and classes: signatures and docstrings (``fsdp_assignment/task*.py``);
+- each task stub's public functions and classes: signatures and docstrings (``fsdp_assignment/task*.py``; the
+  handout prints the signatures and points to the stub for the rules, stated once there);
 - the points per task (``POINTS_SOURCES`` below; a placeholder in ``handout/handout.typ`` when none exists);
 - the writeup's sections and questions (``WRITEUP_TEMPLATE.md``);
 - the README's set-up commands (install and test), as ``staff/release.py`` reads them.
@@ -189,7 +190,8 @@ def stub_api() -> dict:
                                 "doc": doc_blocks(ast.get_docstring(node, clean=False)), "members": []})
                 continue
             members = []
-            init_sig = f"class {node.name}"
+            bases = ", ".join(ast.unparse(b) for b in node.bases)
+            init_sig = f"class {node.name}({bases})" if bases else f"class {node.name}"
             for sub in node.body:
                 if not isinstance(sub, ast.FunctionDef):
                     continue

@@ -1,8 +1,8 @@
 """Design-revealing terms per task, and the hint folder that explains each one (staff only).
 
-The stubs and the handout's task sections state contracts: what a function receives, returns and guarantees.
-They do not say *how*: which PyTorch facility to use, or a pitfall's solution right after posing it. The how
-lives in graduated hints that a stuck student opens one level at a time:
+Nothing a student reads outside ``hints/`` says *how*: which PyTorch facility to use, the steps of a method, or a
+pitfall's solution right after posing it. The how lives in graduated hints that a stuck student opens one level
+at a time:
 
     hints/taskN/<NN-topic>/1-question.md    level 1: the question to ask yourself
     hints/taskN/<NN-topic>/2-mechanism.md   level 2: the mechanism (which facility or idea, and why it fits)
@@ -10,13 +10,23 @@ lives in graduated hints that a stuck student opens one level at a time:
 
 ``DESIGN_TERMS[N]`` maps each term that would give away Task N's design to the hint folder (relative to the
 repository root) whose level-2 or level-3 file covers it. A term is a literal string matched case-sensitively as
-a substring. tests/staff/test_design_terms.py fails when a term occurs in Task N's stub
-(``fsdp_assignment/taskN_*.py``, any docstring) or in the handout's Task N section (``handout/tasks.typ``), or
-when the named hint folder's level-2/level-3 files do not contain it.
+a substring. tests/staff/test_design_terms.py reads everything a student reads outside ``hints/``: every
+``handout/*.typ`` file (Typst comments aside: they never reach the PDF, and the release ships no Typst), the
+docstrings and ``#`` comments of the task stubs, of ``fsdp_assignment/support/`` and of ``adapters.py``, and the
+assertion messages and failure texts of ``tests/public/`` (read with ``ast``, as Python runs them). Every term
+of every task must be absent from all of it, with two narrow exceptions below; and each term must occur in the
+level-2 or level-3 file of the hint folder it names.
+
+- ``VOCABULARY``: a term that is also the subject's ordinary vocabulary or a provided name outside its task
+  (``all-reduce`` is DDP's collective; ``shard_range`` is a method of Task 2's FlatParameter). It is checked in
+  its own task's places only: Task N's stub, the handout's Task N section (``handout/tasks.typ``) and
+  ``tests/public/test_taskN_*.py``.
+- ``ALLOWED_IN``: a file that must name a term to do its own job (the memory tracker wraps
+  ``UntypedStorage.resize_``).
 
 To add a term: add it here with its hint folder, write it into that folder's ``2-mechanism.md`` or
-``3-recipe.md``, and take it out of the reference's docstrings (``#`` comments are fine: make_stubs copies only
-signatures and docstrings), then regenerate the stubs (``python staff/make_stubs.py``).
+``3-recipe.md``, and take it out of every place above (for a stub: the reference's docstrings and the comments
+that the stub copies; then ``python staff/make_stubs.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +58,9 @@ DESIGN_TERMS: dict[int, dict[str, str]] = {
         "version counter": "hints/task3/03-views-after-gather",
         ".data": "hints/task3/03-views-after-gather",
         "fresh views": "hints/task3/03-views-after-gather",
+        "wait_for_unshard": "hints/task3/03-views-after-gather",
+        "reshard_unit": "hints/task3/04-in-flight-gathers",
+        "the unit FORWARD": "hints/task3/01-hooks",
     },
     4: {
         "register_multi_grad_hook": "hints/task4/01-regather-before-backward",
@@ -66,6 +79,9 @@ DESIGN_TERMS: dict[int, dict[str, str]] = {
         "backward_callback_queued": "hints/task4/04-end-of-backward",
         "_current_graph_task_id": "hints/task4/05-activation-checkpointing",
         "enable_grad": "hints/task4/05-activation-checkpointing",
+        "final callback": "hints/task4/04-end-of-backward",
+        "first pre-backward": "hints/task4/04-end-of-backward",
+        "finalize_backward": "hints/task4/04-end-of-backward",
     },
     5: {
         "all_reduce": "hints/task5/02-global-norm",
@@ -82,6 +98,11 @@ DESIGN_TERMS: dict[int, dict[str, str]] = {
         "pending_reduce_scatters": "hints/task6/04-async-reduce-scatter",
         "_current_graph_task_id": "hints/task6/05-recomputation-and-skipped-units",
         "_in_backward": "hints/task6/05-recomputation-and-skipped-units",
+        "instead of gathering again": "hints/task6/02-forward-prefetch",
+        "record_forward_order": "hints/task6/01-execution-order",
+        "prefetch_forward": "hints/task6/02-forward-prefetch",
+        "prefetch_backward": "hints/task6/03-backward-prefetch",
+        "in its pre-backward": "hints/task6/03-backward-prefetch",
     },
     7: {
         "_fsdp_owner": "hints/task7/02-ties-across-units",
@@ -93,5 +114,31 @@ DESIGN_TERMS: dict[int, dict[str, str]] = {
         "register_forward_pre_hook": "hints/task7/04-lazy-root-init",
         "forward pre-hook": "hints/task7/04-lazy-root-init",
         "unsharded_dtype": "hints/task7/05-mixed-precision",
+        "mark left on each flattened parameter": "hints/task7/02-ties-across-units",
+        "the unit that flattened it": "hints/task7/02-ties-across-units",
+        "lazy_init": "hints/task7/04-lazy-root-init",
+    },
+}
+
+# Terms checked only in their own task's places (see the module docstring), each with the reason.
+VOCABULARY: dict[str, str] = {
+    "all-reduce": "DDP's collective (Background), HSDP's across replicas (bonus); 'no all-reduce' is a contract",
+    "all_reduce": "the collective's name, in the debugging example of a hang",
+    "all_gather_single": "the collective's name: the handout's Background teaches the primitives by name",
+    "all_gather_into_tensor": "its deprecated name, in the Background and the warnings table",
+    "reduce_scatter_single": "the collective's name: the handout's Background teaches the primitives by name",
+    "reduce_scatter_tensor": "its deprecated name, in the Background and the warnings table",
+    "pinned": "the pinned torch version; the CPU-offload bonus's pinned memory is its contract",
+    "subclass": "Python's word (a tensor subclass such as DTensor)",
+    "shard_range": "a method of Task 2's FlatParameter (Task 2's contract)",
+    "copy_into_shard": "a method of Task 2's FlatParameter (Task 2's contract)",
+    "unsharded_dtype": "a keyword of Task 2's FlatParameter (Task 2's contract)",
+}
+
+# Files that must name a term to do their own job: path -> {term: why}.
+ALLOWED_IN: dict[str, dict[str, str]] = {
+    "fsdp_assignment/support/memory.py": {
+        "resize_": "the tracker wraps UntypedStorage.resize_ to follow storages that shrink and grow in place "
+                   "(and its resize_label argument)",
     },
 }

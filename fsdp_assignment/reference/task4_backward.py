@@ -30,13 +30,22 @@ The hard cases, each a test; your design must solve them:
   first block's input needs no gradient;
 - a unit with several outputs (a tuple, non-tensors included) of which the loss uses only one, whichever it is;
 - a unit run twice in one forward (its gradient is the sum of both runs');
+- a unit whose input another unit also reads (one tensor feeding two units, or a unit and the layer after it):
+  that input's gradient arrives in parts, from each reader;
 - a unit whose output is detached, a unit that runs forward but never reaches the loss, and a loss made from a
   block's output that the root does not return (the root's output never gets a gradient): the rules above still
   hold when ``loss.backward()`` returns, and such a unit gets no gradient (or zeros);
 - a forward under ``torch.no_grad()`` (evaluation) followed by a training step: every gradient still arrives;
 - activation checkpointing (``torch.utils.checkpoint``) around a unit or around a block inside a unit, with
   ``use_reentrant=True`` or ``False``, early stop on or off: the gradients above, the bound on unsharded units
-  during the recomputation too, and each unit all-gathered exactly once per backward (counted per unit).
+  during the recomputation too, and each unit all-gathered exactly once per backward (counted per unit); a
+  reentrant checkpoint inside a unit runs a backward pass of its own, nested in the outer one, and the rules of
+  "when ``loss.backward()`` returns" are about the outer one.
+
+With gradient sync off (``unit.requires_gradient_sync`` False: Task 7's ``set_requires_gradient_sync``) a
+backward communicates no gradient: each trainable FlatParameter keeps its full gradient, summed over such
+backwards, in ``flat_param.unsynced_grad``; the next backward with sync on reduces that sum plus its own
+gradient, once. Gradients are summed and reduced in ``unit.reduce_dtype`` (else their own dtype).
 
 Known difference from single-process PyTorch: a trainable parameter that took no part in the forward still
 gets a gradient, of zeros, when another parameter of its FlatParameter got one (autograd fills the whole
@@ -144,13 +153,8 @@ class BackwardHooks(ForwardHooks):
 
     The tests call only ``BackwardHooks().register(unit)`` (Task 3's ``register``): afterwards every forward and
     backward through ``unit.module`` keeps the module docstring's rules. Task 6's ``PrefetchHooks`` extends this
-    class, and Task 7's ``fully_shard`` registers that.
-
-    Suggested decomposition (you may restructure it, and Task 6's with it): ``pre_backward`` runs before the
-    unit's backward computation, ``post_backward`` once it is done, ``finalize_backward`` once at the end of each
-    backward pass; ``reduce_grad`` and ``reduce_scatter`` reduce one FlatParameter's gradient; Task 6 overrides
-    ``pre_forward``, ``pre_backward``, ``reduce_scatter`` and ``wait_for_reductions``. How each of them gets
-    called at its moment is this task's design.
+    class, and Task 7's ``fully_shard`` registers that. Which methods it has, and how each runs at its moment,
+    is this task's design.
     """
 
     def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

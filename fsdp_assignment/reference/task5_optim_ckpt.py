@@ -13,8 +13,9 @@ looks at the model as a whole. The tests observe:
   from a full or a sharded checkpoint (model and optimizer, into a fresh model and an optimizer made with other
   hyperparameters) gives bitwise the parameters of training straight through, on W = 2 and 3 (padding included,
   which stays zero, in the optimizer state too), with buffers and hyperparameters restored;
-- memory: a full state dict exists on rank 0 only, and the other ranks must not hold it either while it is
-  made: their peak stays far below rank 0's (about one unit's gathered state at a time).
+- memory: a full state dict, the model's and the optimizer's alike, exists on rank 0 only, and the other ranks
+  never hold it, not even while it is made: their peak stays far below rank 0's (about one unit's gathered
+  parameters or optimizer state at a time).
 
 Formats (``fqn`` = original parameter name relative to the module passed in; every parameter tensor in the
 parameter's own dtype, the shard's, also under mixed precision):

@@ -17,7 +17,8 @@ issued relative to every module's forward and backward:
   backward computation of the unit whose backward precedes it begins and before that unit's reduce-scatter (the
   last unit of the forward: before its own backward computation, the root's backward running first);
 - reduce-scatters: all asynchronous, at most one in flight at any moment, each still in flight when the backward
-  reaches the next unit, all landed in ``shard.grad`` when ``loss.backward()`` returns;
+  reaches the next unit (its input alive until then), all landed in ``shard.grad``, in issue order, when
+  ``loss.backward()`` returns;
 - at most two non-root units unsharded at any moment (the one computing, the one prefetched; with nested units,
   plus the units the one computing is nested in), also during an
   activation-checkpointing recomputation, after an order change and with a unit run twice; each unit all-gathered
@@ -115,10 +116,8 @@ def prefetch_backward(unit: FSDPUnit) -> None:
 
 class PrefetchHooks(BackwardHooks):
     """Task 4's life cycle plus prefetching, while ``unit.shared.prefetch`` is on (read at every use, never
-    cached): forward and backward all-gather prefetch, and asynchronous reduce-scatters. With prefetching off
-    every method behaves exactly as Task 4's. The tests call only ``PrefetchHooks().register(unit)``; Task 7's
-    ``fully_shard`` registers this class. Suggested decomposition (you may restructure it): Task 4's methods,
-    four of them overridden below."""
+    cached); with prefetching off, exactly Task 4's. The tests call only ``PrefetchHooks().register(unit)``;
+    Task 7's ``fully_shard`` registers this class."""
 
     def pre_forward(self, unit: FSDPUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Task 4's ``pre_forward``; with prefetching on, also the forward's share of the order and of the

@@ -20,10 +20,10 @@ What it counts
   (a fresh allocation; or a view of an older tensor) or writes into it, when ``UntypedStorage.resize_`` is
   called on it, or when you pass it to :meth:`track`. Storages that existed before the tracker was entered
   and are only read are not counted; pass them to :meth:`track` if they should be.
-* It stops counting a storage when the storage is freed (a weakref finalizer on the storage object; PyTorch keeps
+* It stops counting a storage when the storage is freed (a finalizer on the storage object; PyTorch keeps
   one Python object per storage, so this fires when the last tensor using the storage dies).
-* Size changes in place are followed: FSDP frees an unsharded buffer with ``untyped_storage().resize_(0)`` and
-  re-allocates it by resizing it back. ``UntypedStorage.resize_`` does not go through the dispatcher, so the
+* Size changes in place are followed: a storage may shrink to nothing and grow back while the same tensors keep
+  pointing at it. ``UntypedStorage.resize_`` does not go through the dispatcher, so the
   tracker wraps it while active; for dispatched ops that write into their arguments (``aten.resize_``,
   ``aten.set_``, in-place ops, collectives) it re-reads the written storages' sizes after the op.
 * Meta tensors hold no memory and are ignored. With ``device="cpu"`` (or ``"cuda"``...) only that device type

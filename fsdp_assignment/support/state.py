@@ -19,10 +19,8 @@ with their meaning:
 - ``SharedState.prefetch``: Task 6's switch, which the tests flip on the root's ``shared``;
 - ``fsdp_units``, ``named_flat_params`` and ``init_shared_state``.
 
-Everything else here is a *suggested decomposition*, the one the stubs' docstrings are written against: the
-two enums and the fields ``sharded_state``, ``training_state``, ``pending_unshard``, ``units``, ``forward_order``,
-``recording_order``, ``pending_reduce_scatters`` and ``backward_callback_queued`` are never read by a test, and
-the configuration fields (``group``, ``param_dtype``, ``cast_forward_inputs``, ``reduce_dtype``,
+Everything else here is a *suggested decomposition*, the staff's own: the two enums and every other field of
+``FSDPUnit`` and ``SharedState`` are never read by a test, and the configuration fields (``group``, ``param_dtype``, ``cast_forward_inputs``, ``reduce_dtype``,
 ``requires_gradient_sync``, ``replicate_group``) are set by your own Task 7 and read by your own Tasks 3 to 6.
 Use them, ignore them, or replace them with a design of your own; you may add fields to these objects.
 """
@@ -54,7 +52,7 @@ class ShardedState(Enum):
     UNSHARDED = auto()  # the unsharded buffer holds every rank's data; module attributes are its views
 
 
-@dataclass(eq=False)  # identity, not field equality: units are kept in lists and looked up with `in`
+@dataclass(eq=False)  # compared with `is`, not field by field: units are kept in lists and looked up with `in`
 class FSDPUnit:
     """One FSDP unit: a module and the FlatParameters of the parameters it owns (module docstring: which fields
     the tests use)."""
@@ -85,7 +83,7 @@ class FSDPUnit:
 class SharedState:
     """One per tree of units (per root); of its fields the tests use only ``prefetch`` (module docstring)."""
 
-    units: list[FSDPUnit]                 # every unit in the tree, in module pre-order (root first)
+    units: list[FSDPUnit]                 # every unit in the tree, parents before their children (root first)
     prefetch: bool = False                # Task 6: forward/backward prefetch and async reduce-scatter
     forward_order: list[FSDPUnit] = field(default_factory=list)  # units in the order the last forward ran them
     recording_order: list[FSDPUnit] = field(default_factory=list)  # the order of the forward in progress
@@ -95,7 +93,7 @@ class SharedState:
 
 
 def fsdp_units(module: nn.Module) -> list[FSDPUnit]:
-    """Every FSDPUnit in ``module``'s subtree, in module pre-order (a root comes first).
+    """Every FSDPUnit in ``module``'s subtree, parents before their children (a root comes first).
 
     A module is a unit when it carries a ``_fsdp_unit`` attribute (``fully_shard`` sets it)."""
     units = (getattr(m, "_fsdp_unit", None) for m in module.modules())

@@ -257,3 +257,68 @@ def test_one_symbol_table_and_no_symbol_with_two_meanings():
     found = [f"{name}: {m.group(0)!r}" for name, text in texts.items() for pat in retired
              for m in re.finditer(pat, text)]
     assert not found, "a retired double meaning is back:\n  " + "\n  ".join(found)
+
+
+# ---- Length and each fact once ---------------------------------------------------------------------------
+MAX_WORDS = 20_000  # issue 37: 27,599 words before (pypdf's count); CS336's assignment 2 is 19,027 for five topics
+
+
+def pdf_words(path: Path) -> int:
+    """The built PDF's words as pypdf extracts them, the count issue 37 states its limit in."""
+    from pypdf import PdfReader
+    return len(" ".join(page.extract_text() for page in PdfReader(str(path)).pages).split())
+
+
+def test_handout_pdf_is_under_the_word_limit():
+    pytest.importorskip("pypdf", reason="pypdf counts the PDF's words: pip install -e '.[staff]' (or pip install pypdf)")
+    words = pdf_words(ROOT / "handout.pdf")
+    assert words < MAX_WORDS, (f"handout.pdf has {words} words (pypdf), over {MAX_WORDS}: cut what the stubs already "
+                               "state (the rules live in the stubs' docstrings; the handout points there)")
+
+
+SHINGLE = 6          # words per shingle
+MAX_SHARED = 0.3     # a handout sentence sharing this share of its shingles with the stubs restates them
+
+
+def _normalised_sentences(text: str) -> list[list[str]]:
+    """Sentences as lists of lower-case words, markup (Typst, reST, Markdown) dropped; only those of at least
+    ``SHINGLE`` words."""
+    text = re.sub(r"[`*_$\\#\[\]]", " ", text.lower())
+    text = re.sub(r"[^a-z0-9.;:!?\s-]", " ", text)
+    return [s.split() for s in re.split(r"[.;:!?]\s", text) if len(s.split()) >= SHINGLE]
+
+
+def _shingles(words: list[str]) -> set[tuple[str, ...]]:
+    return {tuple(words[i:i + SHINGLE]) for i in range(len(words) - SHINGLE + 1)}
+
+
+def restated_sentences(handout_text: str, stub_sources: list[str]) -> list[str]:
+    """The handout sentences that share at least ``MAX_SHARED`` of their word shingles with the stubs' docstrings."""
+    stub = set()
+    for source in stub_sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                for sentence in _normalised_sentences(ast.get_docstring(node, clean=False) or ""):
+                    stub |= _shingles(sentence)
+    text = "\n".join(line for line in handout_text.splitlines() if not line.lstrip().startswith("//"))
+    out = []
+    for sentence in _normalised_sentences(text):
+        shingles = _shingles(sentence)
+        if len(shingles & stub) >= MAX_SHARED * len(shingles):
+            out.append(" ".join(sentence))
+    return out
+
+
+def test_no_rule_is_stated_both_in_a_stub_and_in_the_task_sections():
+    """Each fact once: the stub's docstring states the rule, the handout's task sections pose the problem and point
+    to the stub. A sentence of handout/tasks.typ that largely repeats a stub's words is a second statement."""
+    stubs = [p.read_text(encoding="utf-8") for p in sorted((ROOT / "fsdp_assignment").glob("task*.py"))]
+    restated = restated_sentences((ROOT / "handout" / "tasks.typ").read_text(encoding="utf-8"), stubs)
+    assert not restated, ("handout/tasks.typ restates the stubs (say it in one place: the rule in the stub, the "
+                          "problem and a pointer in the handout):\n  " + "\n  ".join(restated))
+
+
+def test_the_restatement_check_finds_a_copied_rule():
+    stub = '"""Task 9.\n\nAfter the unit\'s forward its unsharded storage has size 0 and the memory is free."""\n'
+    assert restated_sentences("*Rule.* After the unit's forward, its unsharded storage has size 0.", [stub])
+    assert not restated_sentences("*Problem.* When may a unit give its memory back?", [stub])
