@@ -32,7 +32,8 @@ through getattr), ``sys.modules``, ``signal`` (signals, ``os.kill``, pidfds, the
 ``compile``, ``__import__``, ``importlib``, ``pkgutil``, ``marshal``, ``pickle.loads``, ``types.FunctionType``,
 ``copyreg``, and ``getattr``/``setattr``/``hasattr`` with a name built at run time, or held in a variable on a
 module or a class: code this review cannot read), ``socket``, ``environment`` (edits of ``os.environ``,
-``os.environb``, ``putenv``), ``resource`` (rlimits), ``unreadable``. A name is judged however it is spelt:
+``os.environb``, ``putenv``), ``resource`` (rlimits), ``unreadable`` (Python cannot parse it), ``truncated``
+(more than MAX_FLAGS_PER_FILE flags in a file: the rest are counted). A name is judged however it is spelt:
 ``os.fork``, ``posix.fork``, ``from os import fork as f``, ``getattr(os, 'fo' + 'rk')`` are one name (aliases are
 followed, strings built by concatenation, f-strings, join, ``os.path.join``, ``chr``, slicing are folded). A
 correct implementation written from the release needs none of it (a staff test checks that the reference, the
@@ -92,11 +93,21 @@ def review_source(data: bytes | str) -> list[dict]:
     return out
 
 
+MAX_FLAGS_PER_FILE = 200  # a person reads the first ones; a file with more is read whole anyway
+
+
 def review_files(files: dict[str, bytes | str]) -> list[dict]:
-    """Flags over several files (path -> content), each with its ``file``."""
+    """Flags over several files (path -> content), each with its ``file``; past MAX_FLAGS_PER_FILE in a file,
+    one flag (``truncated``) says how many more there were, so that results.json stays small."""
     out = []
     for path, data in sorted(files.items()):
-        out += [{"file": path, **f} for f in review_source(data)]
+        flags = review_source(data)
+        if len(flags) > MAX_FLAGS_PER_FILE:
+            more = len(flags) - MAX_FLAGS_PER_FILE
+            flags = flags[:MAX_FLAGS_PER_FILE] + [{"line": flags[MAX_FLAGS_PER_FILE]["line"], "kind": "truncated",
+                                                   "what": f"{more} further flag(s) in this file are not listed: "
+                                                           f"read the file", "code": ""}]
+        out += [{"file": path, **f} for f in flags]
     return out
 
 

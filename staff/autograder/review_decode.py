@@ -23,6 +23,7 @@ import tokenize
 import unicodedata
 
 NEWLINE = re.compile(r"\r\n|\r|\n")
+SUSPECT = re.compile(r"[^\t\n\r\x20-\x7e]")  # what hidden_char has to look at: controls and non-ASCII
 FILLERS = {"\u115f", "\u1160", "\u3164", "\uffa0", "\u180e", "\u034f"}  # invisible letters and joiners
 BIDI = set("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c")
 
@@ -36,7 +37,10 @@ def hidden_char(c: str) -> bool:
 def shown(line: str, limit: int = 160) -> str:
     """A line as the log may print it: every hidden character written as its code, so that the log itself is
     not reordered or hidden by what it quotes."""
-    out = "".join(f"\\u{ord(c):04x}" if hidden_char(c) else c for c in line.strip())
+    line = line.strip()
+    if not SUSPECT.search(line):
+        return line[:limit]
+    out = "".join(f"\\u{ord(c):04x}" if hidden_char(c) else c for c in line)
     return out[:limit]
 
 
@@ -92,7 +96,8 @@ class Decoded:
         parts = NEWLINE.split(raw_text)
         ends = NEWLINE.findall(raw_text)
         for n, line in enumerate(parts, start=1):
-            found = sorted({c for c in line if hidden_char(c)} - ({"\x0c"} if not line.strip(" \t\x0c") else set()))
+            found = sorted({c for c in SUSPECT.findall(line) if hidden_char(c)} -
+                           ({"\x0c"} if not line.strip(" \t\x0c") else set()))
             if found:
                 kinds = ("bidirectional control" if any(c in BIDI for c in found) else
                          "invisible character" if any(c not in "\x0b\x0c" for c in found) else "page control")

@@ -113,6 +113,7 @@ BUILT_NAME_KINDS = {**{_last(k): v for k, v in DOTTED_KINDS.items()}, **ATTRIBUT
                     "import_module": "dynamic", "exec": "dynamic", "eval": "dynamic", "compile": "dynamic"}
 # A path into the machine's shared places, as a string, however it was built: /proc, /sys (cgroups), /dev
 # (shm, mem), /tmp, or a bare "proc"/"shm" to be joined to one.
+PATH_WORDS = ("proc", "shm", "dev", "sys", "tmp", "cgroup")
 PATH_PATTERN = re.compile(r"(^|/)(proc|shm)(/|$)|(^|/)dev/|/dev$|/sys(/|$)|^sys/|/tmp(/|$)|^tmp/|cgroup")
 
 
@@ -138,7 +139,7 @@ def name_kind(dotted: str) -> str | None:
 def string_kind(text: str, built: bool) -> str | None:
     """The kind of a string's content: a path into a shared place, a module or name the tables flag
     (``'ctypes:CDLL'`` for pkgutil.resolve_name), or for a built string any flagged name."""
-    if PATH_PATTERN.search(text):
+    if any(word in text for word in PATH_WORDS) and PATH_PATTERN.search(text):
         return "path"
     if len(text) > 80:
         return None

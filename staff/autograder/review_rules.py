@@ -33,6 +33,7 @@ from .review_names import (ATTRIBUTE_KINDS, BUILTIN_KINDS, CLASS_WALKS, DOTTED_K
                            string_kind)
 from .review_scopes import CLASS, UNKNOWN, Scopes
 
+CALLS_JUDGED = {"exec", "eval", "compile", "__import__", "vars", "globals"}  # visit_Call flags these calls
 STRING_OPS = (ast.JoinedStr, ast.BinOp, ast.Call, ast.Subscript, ast.FormattedValue)
 
 
@@ -154,7 +155,7 @@ class Review(ast.NodeVisitor):
             called = isinstance(parent, ast.Call) and parent.func is node
             if found.startswith("<builtin>."):
                 builtin = found[len("<builtin>."):]
-                if builtin in BUILTIN_KINDS and not (called and builtin != "__builtins__"):
+                if builtin in BUILTIN_KINDS and not (called and builtin in CALLS_JUDGED):
                     self.flag(node, BUILTIN_KINDS[builtin], builtin)
             elif not isinstance(parent, ast.Attribute):  # an attribute chain is judged whole
                 kind = self.use_kind(node) if found != node.id else None
@@ -178,11 +179,12 @@ class Review(ast.NodeVisitor):
             self.getattr_family(node, GETATTR_FAMILY[builtin or name], args[0] if args else None, args[1:2],
                                 spelt=f"{builtin or name}(...)")
         elif isinstance(func, ast.Attribute) and func.attr in DUNDER_ACCESS:
-            # object.__setattr__(obj, name, v), type.__getattribute__(cls, name), obj.__setattr__(name, v)
-            explicit = (self.scopes.origin(func.value) or "") in ("<builtin>.object", "<builtin>.type")
-            obj = args[0] if explicit and args else func.value
-            self.getattr_family(node, DUNDER_ACCESS[func.attr], obj, args[1:2] if explicit else args[:1],
-                                spelt=f"{_short(func)}(...)")
+            # The unbound form, object.__setattr__(obj, name, v) or nn.Module.__setattr__(module, name, v), takes
+            # the object first; the bound form, obj.__setattr__(name, v), one argument less.
+            how = DUNDER_ACCESS[func.attr]
+            unbound = len(args) == (3 if how == "set" else 2)
+            obj = args[0] if unbound else func.value
+            self.getattr_family(node, how, obj, args[1:2] if unbound else args[:1], spelt=f"{_short(func)}(...)")
         if builtin in OPEN_CALLS or name in OPEN_CALLS:
             path = args[0] if args else next((k.value for k in node.keywords if k.arg in ("file", "path")), None)
             if path is not None and self.scopes.fold(path) is None:

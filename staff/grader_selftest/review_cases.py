@@ -14,7 +14,9 @@ UTF7_LIE = (b"# -*- coding: utf-7 -*-\n"
             b"torch.UntypedStorage.size = lambda self: 0\n"
             b"SIZES = (1, 2)\n")
 
-# The 27 unflagged spellings issue 36 names (and rebuilds from their descriptions), each with its flags.
+# Issue 36's unflagged spellings: the 22 it names, rebuilt from their descriptions, and 5 close variants of them
+# (an alias used before its line, a local ``import ... as``, ``from torch.utils import cpp_extension``, a
+# traceback from sys.exc_info, ``getattr(os, name)``); the review of issue 32 flagged none of these 27.
 ISSUE_36 = {
     "getattr(sys, '_get' + 'frame')": (
         "import torch\nimport sys\n\ndef caller():\n    return getattr(sys, '_get' + 'frame')(2)\n",
@@ -23,7 +25,7 @@ ISSUE_36 = {
         "import torch\n\ndef peek(frame):\n    return getattr(frame, 'f_' + 'locals')\n", {(4, "frame")}),
     "a traceback's frame through getattr": (
         "import torch\n\ndef peek():\n    try:\n        raise ValueError\n    except ValueError as err:\n"
-        "        tb = err.__traceback__\n        return getattr(tb, 'tb_' + 'frame').f_back\n",
+        "        tb = err.__traceback__\n        return getattr(tb, 'tb_' + 'frame')\n",
         {(7, "frame"), (8, "frame")}),
     "a traceback's frame through getattr, from sys.exc_info": (
         "import torch\nimport sys\n\ndef peek():\n    tb = sys.exc_info()[2]\n    name = 'tb_frame'\n"
@@ -79,10 +81,9 @@ ISSUE_36 = {
         "import torch\nimport os\n\nos.environb[b'FSDP_IMPL'] = b'reference'\n", {(4, "environment")}),
     "getattr(os, 'fork')": ("import torch\nimport os\n\nPID = getattr(os, 'fork')()\n", {(4, "process")}),
     "os.pidfd_open": (
-        "import torch\nimport os\n\ndef parent():\n    return os.pidfd_open(os.getppid())\n", {(5, "signal")}),
-    "setattr on a module with a computed name": (
-        "import torch\nimport torch.distributed as dist\n\ndef swap(name, f):\n    setattr(dist, name, f)\n",
-        {(5, "patch")}),
+        "import torch\nimport os\n\ndef watch(pid):\n    return os.pidfd_open(pid)\n", {(5, "signal")}),
+    "getattr(os, name)": (
+        "import torch\nimport os\n\ndef call(name):\n    return getattr(os, name)()\n", {(5, "dynamic")}),
     "the UTF-7 cookie": (
         UTF7_LIE, {(1, "encoding"), (4, "encoding"), (5, "encoding"), (5, "frame"), (6, "encoding"),
                    (6, "patch")}),
@@ -95,8 +96,9 @@ MORE = {
         {(4, "frame"), (5, "frame")}),
     "a name built at run time on any object": (
         "import torch\n\ndef peek(obj, a, b):\n    return getattr(obj, a + b)\n", {(4, "dynamic")}),
-    "a name held in a variable on a module": (
-        "import torch\nimport os\n\ndef call(name):\n    return getattr(os, name)()\n", {(5, "dynamic")}),
+    "setattr on a module with a computed name": (
+        "import torch\nimport torch.distributed as dist\n\ndef swap(name, f):\n    setattr(dist, name, f)\n",
+        {(5, "patch")}),
     "a dunder through hasattr": (
         "import torch\n\ndef has(f):\n    return hasattr(f, '__wrapped__')\n", {(4, "introspection")}),
     "chr-built path": (
@@ -184,9 +186,17 @@ MORE = {
         b"# -*- coding: latin-1 -*-\nimport torch\nX = '\xe9'\n", {(1, "encoding")}),
 }
 
+MORE["breakpoint()"] = ("import torch\n\ndef stop():\n    breakpoint()\n", {(4, "frame")})
+MORE["nn.Module.__setattr__ on a class of torch"] = (
+    "import torch\nimport torch.nn as nn\n\nnn.Module.__setattr__(nn.Linear, 'forward', print)\n", {(4, "patch")})
+
+MORE["CRLF line ends"] = (b"import torch\r\nimport sys\r\n\r\nF = sys._getframe()\r\n", {(4, "frame")})
+MORE["a UTF-8 BOM"] = (b"\xef\xbb\xbfimport torch\nimport ctypes\n", {(2, "ctypes")})
+
 # Honest idioms from the reference, the stubs and the staff alternatives, and ones like them: none is flagged.
 HONEST = '''\
 """Shards a module's parameters over the process group (the docs of torch.distributed.fsdp)."""
+import os
 import weakref
 
 import torch
@@ -224,6 +234,13 @@ def f(module, dist_group, sub, attr, views, x):
 
 def g(dist):
     dist.x = 1  # a parameter named like the module: not the module
+
+
+def h(module, name, tensor):
+    nn.Module.__setattr__(module, name, tensor)  # past nn.Module's own __setattr__: a plain tensor attribute
+    object.__setattr__(module, "_fsdp_state", None)
+    if os.environ.get("FSDP_DEBUG"):
+        print(f"rank {dist.get_rank()}: {name} of {module.__class__.__name__} in {os.getpid()}")
 
 
 REF = weakref.WeakKeyDictionary()

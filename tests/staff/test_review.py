@@ -101,6 +101,12 @@ def test_the_utf7_lie_is_read_as_python_reads_it():
     assert b"sys._getframe" in source and source.count(b"\n") == 4  # four lines as written, seven as run
 
 
+def test_a_flood_of_flags_is_capped_per_file():
+    flags = review.review_files({"t.py": "import torch\n" + "import ctypes\n" * (review.MAX_FLAGS_PER_FILE + 50)})
+    assert len(flags) == review.MAX_FLAGS_PER_FILE + 1
+    assert flags[-1]["kind"] == "truncated" and flags[-1]["what"].startswith("50 further flag(s)")
+
+
 def test_honest_idioms_are_not_flagged():
     assert review.review_source(HONEST) == []
 
