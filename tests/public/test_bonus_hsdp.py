@@ -14,8 +14,8 @@ and off for the degenerate meshes (the synchronous one). The parent checks, agai
   gradient reduce-scattered once), and one all-reduce per unit across the R replicas of its gradient shard (none
   when R = 1); in bytes, the handout's formulas: all-gathers 2 (K-1)/K P, reduce-scatter (K-1)/K G, all-reduce
   2 (R-1)/R G/K (P = G = the padded parameter bytes). A collective to which each rank contributes at most
-  SMALL_COLLECTIVE_NUMEL elements (a norm, a count, a flag: ``clip_grad_norm_`` may all-reduce its sum of squares
-  or all-gather one number per rank) is not parameter traffic and is not counted;
+  SMALL_COLLECTIVE_NUMEL elements (a norm, a count, a flag: ``clip_grad_norm_``'s norm, all-reduced or all-gathered
+  as one number per rank) is not parameter traffic and is not counted;
 - ``gather_full_params``, the full model and optimizer state dicts, and loading a full state dict into a fresh
   HSDP model, all across the whole mesh.
 """
