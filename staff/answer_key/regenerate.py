@@ -1,13 +1,16 @@
 """The writeup's answer key, generated: every number in it comes from a results folder (staff only).
 
     python staff/answer_key/regenerate.py              # run the reference's benchmarks at the default sizes into
-                                                       # staff/answer_key/results/ (about 10 minutes on 2 loaded
-                                                       # cores), then write NUMBERS.md and ANSWER_KEY.md from it
+                                                       # staff/answer_key/results/ (run_all.py: 279-297 s on 2 quiet
+                                                       # cores, 563-1,693 s at load 8-21: the README's timings; the
+                                                       # committed run took 761 s, results/run.json), then write
+                                                       # NUMBERS.md and ANSWER_KEY.md from it
     python staff/answer_key/regenerate.py --rederive   # no run: rewrite NUMBERS.md and ANSWER_KEY.md from the
                                                        # committed results/ (after editing key_source.md or this file)
-    python staff/answer_key/regenerate.py --from DIR   # the TA's calculator: print the expected answers of a
-                                                       # student's results folder (benchmarks/results/, or the JSON
-                                                       # files in their submission); writes nothing
+    python staff/answer_key/regenerate.py --from PATH  # the TA's calculator: print the expected answers of a
+                                                       # student's results: their benchmarks/results/ folder, their
+                                                       # submission's root, or submission.zip; writes nothing (no
+                                                       # benchmark JSON there: an error, exit status 1)
     python staff/answer_key/regenerate.py --quick      # a smoke run into a temporary folder; writes nothing
 
 ANSWER_KEY.md is rendered from key_source.md: the prose is written there, and every number it carries is a
@@ -70,7 +73,8 @@ RESULTS = HERE / "results"  # the staff run's results (JSON and tables), committ
 KEPT = ("memory", "comm", "step", "scaling")
 # run_all.py only routes flags and chains the four scripts: what it computes is theirs (and helper fixes to its
 # --help must not make the committed results stale)
-NOT_FINGERPRINTED = ("benchmarks/run_all.py",)
+NOT_FINGERPRINTED = ("benchmarks/run_all.py",
+                     "benchmarks/hook_trace.py")  # the students' tracer: it makes none of the results
 WORLD_SIZES = (1, 2, 4)  # what the defaults run (memory and scaling; comm and step need W >= 2)
 
 
@@ -159,16 +163,18 @@ def _g(x, digits: int = 3) -> str:
 
 
 def resolved(lo: float, hi: float, threshold: float = 1.0, below: str = "faster", above: str = "slower",
-             point: float | None = None) -> str:
+             point: float | None = None, sides: tuple[str, str] | None = None) -> str:
     """The handout's noise rule (Models box, item 4): resolved only when the whole interval is on one side of the
     threshold; otherwise undecided at this precision, and the answer gives the interval and the side of the point
-    estimate (that answer earns the part)."""
+    estimate (that answer earns the part). ``sides``: the short names of the two sides ("the faster side"), when
+    ``below``/``above`` are sentences; by default they are ``below`` and ``above``."""
     if hi < threshold:
         return f"resolved: {below}"
     if lo > threshold:
         return f"resolved: {above}"
-    side = "" if point is None else (f"; the point estimate is on the {below} side" if point < threshold else
-                                     f"; the point estimate is on the {above} side" if point > threshold else
+    low_side, high_side = sides or (below, above)
+    side = "" if point is None else (f"; the point estimate is on the {low_side} side" if point < threshold else
+                                     f"; the point estimate is on the {high_side} side" if point > threshold else
                                      "; the point estimate is on the threshold")
     return f"undecided at this precision (the interval contains {threshold:g}){side}: say so, with the interval"
 
@@ -208,14 +214,15 @@ def crossover_w(alpha: float, beta: float, t_comp: float, psi: int, units: int, 
 
 def n_half_interval(f: dict, w: int, b: int = 4) -> tuple[float, float]:
     """N_1/2 = W alpha beta / b over the fit's ± 2 SE ranges of alpha and beta: (lowest, highest), in elements.
-    alpha unresolved or <= 0: (0, W alpha_bound beta / b), an upper bound only (the Models box's rule); beta n/a
+    alpha unresolved or <= 0: (0, W alpha_bound (beta + 2 SE) / b), an upper bound only (the Models box's rule; with
+    the point beta it would not bound N_1/2); beta - 2 SE <= 0: the lowest is 0 (no lower bound); beta n/a
     (slope <= 0): (nan, nan)."""
     alpha, beta = fit_usable(f)
     if beta is None:
         return math.nan, math.nan
-    if alpha is None:
-        return 0.0, w * f["alpha_bound_s"] * beta / b
     b_lo, b_hi = beta_range(f, beta)
+    if alpha is None:
+        return 0.0, w * f["alpha_bound_s"] * b_hi / b
     a_lo, a_hi = max(alpha - 2 * f["alpha_se_s"], 0.0), alpha + 2 * f["alpha_se_s"]
     return w * a_lo * max(b_lo, 0.0) / b, w * a_hi * b_hi / b
 
@@ -343,8 +350,9 @@ def values(results: Path) -> Values:
               f"{top}: {_mib(terms[top])}, in the {branch} branch (which sets the peak, "
               f"{_mib(r4['model']['peak_bytes'])}); the branch's other terms: "
               + ", ".join(f"{k} {_mib(x)}" for k, x in terms.items() if k != top))
-        v.conclude("Q9", "q9_b_conclusion", "(b)", f"{top} ({branch} branch); another term of that branch, or the "
-                   "other branch's, earns the part only when argued from the Models box")
+        v.conclude("Q9", "q9_b_conclusion", "(b)", f"{top} ({branch} branch); another term of that branch earns the "
+                   "part only when argued from the Models box; a term of the other branch does not count (its terms "
+                   "do not add to the peak)")
 
     def diff(a: str, b: str, W: int, q: str, name: str) -> None:
         ra, rb = rows.get((a, W)), rows.get((b, W))
@@ -374,6 +382,8 @@ def values(results: Path) -> Values:
     psi_root, psi = root_params(gpt) if gpt else (None, None)
     blk = (psi - psi_root) // gpt["n_layer"] if gpt else None
     v.add("Q10", "q10_blk", "Psi_blk (one block)", f"{blk:,} elements" if blk else "n/a")
+    v.add("Q10", "q10_psi_per_layer", "Psi / n_layer, the root's embeddings counted in (not Psi_blk)",
+          f"{psi // gpt['n_layer']:,} elements" if gpt else "n/a")
     for W in (2, 4):
         f = fit_of(comm, W)
         if not f:
@@ -386,10 +396,13 @@ def values(results: Path) -> Values:
             half = "no N_1/2: the fitted slope is <= 0 (beta n/a)"
         elif alpha is not None:
             half = (f"N_1/2 = W alpha beta / b = {W * alpha * beta / 4:,.0f} elements, ± 2 SE range "
-                    f"{interval[0]:,.0f} to {interval[1]:,.0f}")
+                    f"{interval[0]:,.0f} to {interval[1]:,.0f}"
+                    + (" (beta - 2 SE <= 0: the range has no lower bound, its lowest is 0: say so)"
+                       if beta_range(f, beta)[0] <= 0 else ""))
         else:
-            half = (f"alpha not resolved{' (<= 0)' if f['alpha_s'] <= 0 else ''}: N_1/2 < W alpha_bound beta / b = "
-                    f"{interval[1]:,.0f} elements (alpha_bound = {f['alpha_bound_s'] * 1e6:.0f} us), no lower bound")
+            half = (f"alpha not resolved{' (<= 0)' if f['alpha_s'] <= 0 else ''}: N_1/2 < W alpha_bound "
+                    f"(beta + 2 SE) / b = {interval[1]:,.0f} elements (alpha_bound = "
+                    f"{f['alpha_bound_s'] * 1e6:.0f} us), no lower bound")
         v.add("Q10", f"q10_fit_w{W}", f"all-gather fit at W = {W}",
               f"alpha = {f['alpha_s'] * 1e6:.0f} ± {2 * f['alpha_se_s'] * 1e6:.0f} us "
               f"({'resolved' if f['alpha_resolved'] else 'not resolved'}), beta = "
@@ -509,13 +522,20 @@ def values(results: Path) -> Values:
                   f"n_units = {units}, a = {3 * units * (alpha or 0.0) * 1e3:.2f} ms{rule}, c = "
                   f"{3 * psi_s * 4 / beta * 1e3:.0f} ms, T_comp = {t_comp * 1e3:.0f} ms, W* = "
                   + (f"{point:.2f}" if math.isfinite(point) else "none (c <= T_comp: communication never limits)")
-                  + f", range {lo:.2f} to " + (f"{hi:.2f}" if math.isfinite(hi) else "none (never)"))
+                  + f", range {lo:.2f} to " + (f"{hi:.2f}" if math.isfinite(hi) else "none (never)")
+                  + (" (beta - 2 SE <= 0: the range's low end is W = 1, communication could limit from the first "
+                     "extra rank: say so)" if b_lo <= 0 else ""))
             v.conclude("Q14", "q14_c_conclusion", "(c) W = 2 against W*",
                        resolved(lo, hi, 2.0, below="W* below 2: communication limits the step at W = 2",
-                                above="W* above 2: compute limits the step at W = 2", point=point))
+                                above="W* above 2: compute limits the step at W = 2", point=point,
+                                sides=("communication-limited", "compute-limited")))
             e_lo, e_hi = eff2(a_hi, b_lo), eff2(a_lo, b_hi)
             m = weak.get(2)
-            if m:
+            if m and not math.isfinite(point):  # the template's rule: with no W*, (d) is undecided
+                v.conclude("Q14", "q14_d_conclusion", "(d) at W = 2",
+                           "undecided at this precision: there is no W* (alpha not resolved, so alpha = 0, and "
+                           "c <= T_comp): say so; an answer that concludes agree or do not agree earns half")
+            elif m:
                 m_lo, m_hi = m.get("efficiency_range") or (m["efficiency"], m["efficiency"])
                 agree = m_hi >= e_lo and m_lo <= e_hi
                 v.conclude("Q14", "q14_d_conclusion", "(d) at W = 2",
@@ -625,14 +645,14 @@ def render_key(source: str, v: Values, strict: bool = True) -> str:
 
 # What decides the questions that compare no measured interval with a threshold (the key grades them from the
 # student's code, picture or arithmetic).
-NO_THRESHOLD = {"Q1": "no threshold: the student's own design (the key lists what a full answer contains)",
+NO_THRESHOLD = {"Q1": "no threshold: the student's own design, from their printout of a run (the key's list)",
                 "Q2": "no threshold: exact numbers (padding), the same for every student",
-                "Q3": "no threshold: the student's own design (the key lists what a full answer contains)",
+                "Q3": "no threshold: the student's own design, from their hook_trace.py output (the key's list)",
                 "Q4": "no threshold: formulas",
-                "Q5": "no threshold: exact bytes (ring formula) and a numeric example",
-                "Q6": "no threshold: exact bytes (optim = 8 S)",
-                "Q7": "no threshold: the student's own design and exact bytes",
-                "Q8": "no threshold: the student's own design and exact counts",
+                "Q5": "no threshold: the student's printout of one clip, and exact bytes (ring formula)",
+                "Q6": "no threshold: exact bytes (optim = 8 S) and the student's measured state-dict peaks",
+                "Q7": "no threshold: the student's own design, from their hook_trace.py --prefetch output",
+                "Q8": "no threshold: dtypes from the student's trace and code, bytes as formulas in Psi and W",
                 "Q12": "no threshold: read from the student's picture (the key's list)",
                 "Q15": "no threshold: the scenario's arithmetic (the key's numbers)"}
 
@@ -658,16 +678,58 @@ def expected_answers(folder: Path) -> str:
     return "\n".join(out)
 
 
+def find_results(source: Path) -> Path:
+    """The folder of benchmark JSON in ``source``: a results folder itself, a submission's root (its
+    ``benchmarks/results/``), a folder holding ``results/``, or a submission zip (unpacked into a temporary folder,
+    then searched the same way). Raises SystemExit, with what to give instead, when none holds a benchmark's JSON."""
+    import shutil
+    import zipfile
+
+    wanted = [f"{n}.json" for n in KEPT]
+
+    def holds(folder: Path) -> bool:
+        return folder.is_dir() and any((folder / n).is_file() for n in wanted)
+
+    if source.is_file():
+        if not zipfile.is_zipfile(source):
+            raise SystemExit(f"regenerate.py --from {source}: not a folder and not a zip: give the student's "
+                             "benchmarks/results/ folder, their submission's root, or their submission zip")
+        tmp = Path(tempfile.mkdtemp(prefix="answer-key-from-"))
+        with zipfile.ZipFile(source) as zf:
+            for member in zf.namelist():  # only the benchmarks' JSON: nothing else is read, nothing runs
+                if Path(member).name in wanted and ".." not in Path(member).parts and not member.startswith("/"):
+                    zf.extract(member, tmp)
+        found = sorted({p.parent for p in tmp.rglob("*.json")}, key=lambda d: (not d.as_posix().endswith(
+            "benchmarks/results"), len(d.parts)))
+        if not found:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise SystemExit(f"regenerate.py --from {source}: the zip holds no benchmark results "
+                             f"({', '.join(wanted)} under benchmarks/results/): the student submitted none; grade "
+                             "their measured parts from their pasted tables only, or ask for the results")
+        return found[0]
+    for folder in (source, source / "benchmarks" / "results", source / "results"):
+        if holds(folder):
+            return folder
+    raise SystemExit(f"regenerate.py --from {source}: no benchmark results there (looked for {', '.join(wanted)} in "
+                     f"it, in benchmarks/results/ and in results/): give the student's benchmarks/results/ folder, "
+                     "their submission's root, or their submission zip")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\nANSWER_KEY.md")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--from", dest="source", type=Path, help="print the expected answers of this results folder")
+    g.add_argument("--from", dest="source", type=Path,
+                   help="print the expected answers of these results: a results folder, a submission's root or zip")
     g.add_argument("--rederive", action="store_true", help="rewrite NUMBERS.md and ANSWER_KEY.md from results/")
     g.add_argument("--quick", action="store_true", help="a smoke run into a temporary folder; writes nothing")
     args = p.parse_args(argv)
     if args.source:
-        folder = args.source / "results" if (args.source / "results" / "memory.json").exists() else args.source
+        folder = find_results(args.source)
+        missing = [f"{n}.json" for n in KEPT if not (folder / f"{n}.json").exists()]
+        if missing:
+            print(f"regenerate.py --from: {folder} has no {', '.join(missing)}: the questions that read them show "
+                  "n/a", file=sys.stderr)
         print(expected_answers(folder))
         return 0
     if args.quick:

@@ -72,7 +72,13 @@ def test_alpha_unresolved(regenerate, tmp_path):
             f["alpha_resolved"] = False
             f["alpha_bound_s"] = f["alpha_s"] + 2 * f["alpha_se_s"]
     q = every_question_concludes(regenerate, regenerate.expected_answers(doctored(tmp_path, "unresolved", edit)))
-    assert "alpha not resolved: N_1/2 < W alpha_bound beta / b" in q["Q10"]
+    assert "alpha not resolved: N_1/2 < W alpha_bound (beta + 2 SE) / b" in q["Q10"]
+    # an upper bound needs beta's upper end: with the point beta it would not bound N_1/2 (issue 37)
+    folder = tmp_path / "unresolved"
+    f2 = fits(json.loads(json.dumps({"comm": json.loads((folder / "comm.json").read_text())})), 2)[0]
+    lo, hi = regenerate.n_half_interval(f2, 2)
+    assert lo == 0 and hi == pytest.approx(2 * f2["alpha_bound_s"] * regenerate.beta_range(f2, f2["beta_bytes_per_s"])[1] / 4)
+    assert hi > 2 * f2["alpha_bound_s"] * f2["beta_bytes_per_s"] / 4
     assert re.search(r"\(c\) at W = \d.*(bandwidth-bound: Psi_blk is above the bound|undecided at this precision: "
                      r"alpha is not resolved)", q["Q10"])
     assert "alpha = 0 for the value, alpha_bound for the range" in q["Q14"]
@@ -160,3 +166,140 @@ def test_the_model_error_range_leaves_torchs_fsdp2_row_out(regenerate):
     own = [100 * r["model_error"] for r in memory["results"] if regenerate.students_row(r["strategy"])]
     assert not any(regenerate.students_row(s) for s in ("FSDP2 (torch)", "DDP (torch)", "one process"))
     assert regenerate.values(RESULTS).flat()["q9_err_range"] == f"{min(own):+.1f}% to {max(own):+.1f}%"
+
+
+# ---- issue 37: the rules the template, the key and the tool state the same way --------------------------------
+TEMPLATE = ROOT / "WRITEUP_TEMPLATE.md"
+SOURCE = ROOT / "staff" / "answer_key" / "key_source.md"
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_q14d_with_no_w_star_is_undecided_in_template_key_and_tool(regenerate, tmp_path):
+    """M2: alpha unresolved and c <= T_comp: no W*, and (d) is "undecided" in all three (the tool used to say
+    agree or do not agree)."""
+    def edit(d):
+        for f in d["comm"]["alpha_beta"]:
+            f["alpha_resolved"] = False
+            f["alpha_bound_s"] = f["alpha_s"] + 2 * f["alpha_se_s"]
+            f["beta_bytes_per_s"] *= 1000  # c = 3 Psi b / beta falls far below T_comp
+    q = every_question_concludes(regenerate, regenerate.expected_answers(doctored(tmp_path, "nowstar", edit)))
+    assert "W* = none (c <= T_comp" in q["Q14"], q["Q14"]
+    line = next(x for x in q["Q14"].splitlines() if "EXPECTED CONCLUSION (d)" in x)
+    assert "undecided at this precision: there is no W*" in line and "they agree" not in line, line
+    template = _flat(TEMPLATE.read_text(encoding="utf-8"))
+    assert "with no W* (β n/a, or α not resolved and c ≤ T_comp), (d) is undecided at this precision" in template
+    assert "With no W* (no β, or α not resolved and c <= T_comp) the part is undecided at this precision" in \
+        _flat(SOURCE.read_text(encoding="utf-8"))
+
+
+def test_q9b_the_other_branchs_term_does_not_count_in_template_key_and_tool(regenerate):
+    """M4: the template says the other branch's terms do not add to the peak; the key's prose and the tool's
+    conclusion say such a term does not count, argued or not (last round's blocker)."""
+    template = _flat(TEMPLATE.read_text(encoding="utf-8"))
+    assert "(the other branch's terms do not add to it)" in template
+    key = _flat(SOURCE.read_text(encoding="utf-8"))
+    assert "A term of the other branch does not count, argued or not" in key
+    conclusion = regenerate.values(RESULTS).flat()["q9_b_conclusion"]
+    assert "a term of the other branch does not count" in conclusion, conclusion
+    for text in (key, conclusion, _flat((ROOT / "staff" / "answer_key" / "ANSWER_KEY.md").read_text())):
+        assert "or the other branch's, earns" not in text
+
+
+def _results_zip(path: Path, prefix: str = "") -> Path:
+    import zipfile
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(prefix + "fsdp_assignment/task1_meta_init.py", "# a task file\n")
+        zf.writestr(prefix + "WRITEUP.md", "# writeup\n")
+        for n in ("memory", "comm", "step", "scaling"):
+            zf.write(RESULTS / f"{n}.json", prefix + f"benchmarks/results/{n}.json")
+    return path
+
+
+def test_from_a_submission_zip_or_root_finds_benchmarks_results(regenerate, tmp_path, capsys):
+    """M5: --from given the submission zip, or the unpacked submission's root, reads its benchmarks/results/ (it
+    used to print n/a for everything and exit 0)."""
+    expected = regenerate.expected_answers(RESULTS).split("\n", 1)[1]
+    root = tmp_path / "submission"
+    (root / "benchmarks" / "results").mkdir(parents=True)
+    for n in ("memory", "comm", "step", "scaling"):
+        shutil.copy(RESULTS / f"{n}.json", root / "benchmarks" / "results" / f"{n}.json")
+    for source in (_results_zip(tmp_path / "submission.zip"), root,
+                   _results_zip(tmp_path / "nested.zip", prefix="alice/")):
+        assert regenerate.main(["--from", str(source)]) == 0
+        out = capsys.readouterr().out
+        assert "n/a (memory.json: no FSDP row)" not in out, source
+        assert out.split("\n", 1)[1].rstrip("\n") == expected, f"--from {source} differs from --from the results folder"
+
+
+def test_from_a_folder_or_zip_without_results_refuses(regenerate, tmp_path):
+    import zipfile
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit) as err:
+        regenerate.main(["--from", str(empty)])
+    assert "no benchmark results there" in str(err.value) and "submission zip" in str(err.value)
+    bare = tmp_path / "bare.zip"
+    with zipfile.ZipFile(bare, "w") as zf:
+        zf.writestr("WRITEUP.md", "# writeup\n")
+    with pytest.raises(SystemExit) as err:
+        regenerate.main(["--from", str(bare)])
+    assert "the zip holds no benchmark results" in str(err.value)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(SystemExit) as err:
+        regenerate.main(["--from", str(tmp_path / "notes.txt")])
+    assert "not a folder and not a zip" in str(err.value)
+
+
+def test_straddling_conclusions_name_the_side_in_one_readable_sentence(regenerate, tmp_path):
+    """The garbled "the point estimate is on the W* above 2: compute limits ... side": the side has a short name."""
+    def edit(d):
+        for f in d["comm"]["alpha_beta"]:
+            f["beta_rel_se"] = 0.45  # a wide beta range: W*'s range straddles 2
+    q = every_question_concludes(regenerate, regenerate.expected_answers(doctored(tmp_path, "straddle", edit)))
+    line = next(x for x in q["Q14"].splitlines() if "EXPECTED CONCLUSION (c)" in x)
+    assert "side" not in line or re.search(r"on the (compute|communication)-limited side", line), line
+    for text in q.values():
+        assert not re.search(r"on the W\* (above|below) 2", text), text
+
+
+def test_beta_minus_two_se_not_positive_is_said(regenerate, tmp_path):
+    """beta - 2 SE <= 0: N_1/2's lowest is 0 and W*'s range starts at W = 1; the tool says so instead of using
+    0 and 1 silently."""
+    def edit(d):
+        for f in d["comm"]["alpha_beta"]:
+            f["beta_rel_se"] = 0.6
+    q = every_question_concludes(regenerate, regenerate.expected_answers(doctored(tmp_path, "wide", edit)))
+    assert "beta - 2 SE <= 0" in q["Q14"] and "low end is W = 1" in q["Q14"], q["Q14"]
+    resolved_alpha = [f for f in fits({"comm": json.loads((tmp_path / "wide" / "comm.json").read_text())})
+                      if f["alpha_resolved"] and f["alpha_s"] > 0]
+    if resolved_alpha:
+        assert "beta - 2 SE <= 0: the range has no lower bound" in q["Q10"], q["Q10"]
+
+
+def test_psi_blk_is_the_block_unit_not_psi_over_n_layer(regenerate):
+    """Q10 (c): the key's Psi_blk is memory.json's n_block_unit; Psi / n_layer (the captions' arithmetic) counts
+    the root's embeddings in and is printed beside it as what it is not."""
+    memory = json.loads((RESULTS / "memory.json").read_text())
+    n_blk = next(r for r in memory["results"] if r["strategy"] == "FSDP")["model"]["n_block_unit"]
+    v = regenerate.values(RESULTS).flat()
+    assert v["q10_blk"] == f"{n_blk:,} elements"
+    assert v["q10_psi_per_layer"] != v["q10_blk"]
+    assert "results[i].model.n_block_unit" in TEMPLATE.read_text(encoding="utf-8")
+
+
+def test_q13a_carries_the_difference_interval_rule(regenerate):
+    template = _flat(TEMPLATE.read_text(encoding="utf-8"))
+    q13 = template.split("**Q13.**")[1].split("(b)")[0]
+    assert "Q9 (d)'s rule" in q13 and "undecided at this precision" in q13
+    key = _flat(SOURCE.read_text(encoding="utf-8"))
+    assert "**Q13 (5).** (a) 1: ours: {{q13_mem}}; by Q9 (d)'s difference-interval rule: {{q13_mem_conclusion}}" in key
+
+
+def test_from_labels_the_design_questions_by_their_evidence(regenerate):
+    """--from's line for the questions without a threshold names what they are graded from (Q7 and Q8 were
+    mislabelled "exact bytes" and "exact counts")."""
+    assert "hook_trace.py" in regenerate.NO_THRESHOLD["Q3"] and "hook_trace.py" in regenerate.NO_THRESHOLD["Q7"]
+    assert "exact bytes" not in regenerate.NO_THRESHOLD["Q7"] and "trace" in regenerate.NO_THRESHOLD["Q8"]

@@ -1,6 +1,7 @@
-"""The handout's writeup time is the count in staff/writeup_time.md (issue 31), recomputed from its table.
+"""The handout's and the template's writeup time is the count in staff/writeup_time.md (issues 31 and 37),
+recomputed from its table.
 
-Fast: reads two text files.
+Fast: reads three text files.
 """
 
 from __future__ import annotations
@@ -42,3 +43,13 @@ def test_the_handout_quotes_the_counted_writeup_time():
     notes = NOTES.read_text(encoding="utf-8")
     for level in ("low", "central", "high"):
         assert f"{level} {t[level]:.0f} min ({t[level] / 60:.1f} h)" in notes, f"the notes' {level} total is not the table's"
+
+
+def test_the_template_quotes_the_same_count():
+    """WRITEUP_TEMPLATE.md's "Time spent" section states the handout's figures (issue 37: one count, said once
+    per place a student reads it)."""
+    t = totals()
+    template = (ROOT / "WRITEUP_TEMPLATE.md").read_text(encoding="utf-8")
+    section = template.split("## Time spent")[1].split("\n## ")[0]
+    want = f"about {round(t['low'] / 60)} to {round(t['high'] / 60)} hours, {round(t['central'] / 60)} centrally"
+    assert want in section, f"the template's Time spent section does not say {want!r}: {section!r}"
