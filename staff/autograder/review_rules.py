@@ -157,6 +157,10 @@ class Review(ast.NodeVisitor):
                 builtin = found[len("<builtin>."):]
                 if builtin in BUILTIN_KINDS and not (called and builtin in CALLS_JUDGED):
                     self.flag(node, BUILTIN_KINDS[builtin], builtin)
+                elif builtin in ("getattr", "setattr", "delattr") and not called and \
+                        not isinstance(parent, (ast.Assign, ast.AnnAssign, ast.NamedExpr)):  # an alias is followed
+                    self.flag(node, "dynamic", f"{builtin} passed on (map, partial, ...): the review cannot see "
+                                               f"what it is applied to")
             elif not isinstance(parent, ast.Attribute):  # an attribute chain is judged whole
                 kind = self.use_kind(node) if found != node.id else None
                 if kind:
@@ -212,6 +216,9 @@ class Review(ast.NodeVisitor):
                 if text is None:
                     self.flag(node, "dynamic", "attrgetter() of a name built at run time")
             return
+        if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+            self.flag(node, "dynamic", f"{spelt.split('(')[0]}(*...): arguments unpacked at run time")
+            return
         if obj is None or not name_args:
             return
         name_node = name_args[0]
@@ -244,8 +251,9 @@ class Review(ast.NodeVisitor):
 
     # ---- strings ------------------------------------------------------------------------------------------
     def visit_Constant(self, node: ast.Constant) -> None:
-        if isinstance(node.value, str):
-            kind = string_kind(node.value, built=False)
+        if isinstance(node.value, (str, bytes)):
+            text = node.value if isinstance(node.value, str) else node.value.decode("latin-1")
+            kind = string_kind(text, built=False)
             if kind:
                 self.flag(node, kind, repr(node.value[:60]))
 

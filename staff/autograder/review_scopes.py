@@ -40,6 +40,7 @@ class Scopes:
         self.module = Scope("module", None)
         self._cache: dict[int, str | None] = {}
         self._strings: dict[int, tuple[str, bool]] = {}
+        self.attributes: dict[str, list[ast.AST]] = {}  # attribute name -> values assigned to it anywhere
         self._walk(tree, self.module, None)
 
     # ---- the pass: parents, scopes, bindings --------------------------------------------------------------
@@ -91,6 +92,10 @@ class Scopes:
                 if node.value is not None:
                     for target in targets:
                         self._bind_target(scope, target, node.value)
+            elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)) and \
+                    isinstance(node.iter, (ast.List, ast.Tuple, ast.Set)):
+                for element in node.iter.elts:  # for m in (dist, torch.Tensor): m.x = f
+                    self._bind_target(scope, node.target, element)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) and \
                     not getattr(node, "_rv_bound", False):
                 self._bind(scope, node.id, ("other",))
@@ -101,6 +106,8 @@ class Scopes:
         if isinstance(target, ast.Name):
             self._bind(scope, target.id, ("value", value))
             target._rv_bound = True
+        elif isinstance(target, ast.Attribute):  # self.d = torch.distributed: any .d may hold it
+            self.attributes.setdefault(target.attr, []).append(value)
         elif isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)) and \
                 len(target.elts) == len(value.elts):
             for t, v in zip(target.elts, value.elts):
@@ -140,7 +147,10 @@ class Scopes:
             if node.attr == "__class__":
                 return CLASS
             base = self.origin(node.value, depth + 1)
-            return f"{base}.{node.attr}" if base and not base.startswith("<builtin>") else None
+            if base and not base.startswith("<builtin>"):
+                return f"{base}.{node.attr}"
+            # An object's attribute that the file sets to a module (or an attribute of one) somewhere.
+            return next(filter(None, (self.origin(v, depth + 1) for v in self.attributes.get(node.attr, ()))), None)
         if isinstance(node, ast.Call):
             func = self.origin(node.func, depth + 1)
             if func == "<builtin>.type" and len(node.args) == 1:
@@ -153,6 +163,10 @@ class Scopes:
             return None
         if isinstance(node, ast.Subscript) and self.origin(node.value, depth + 1) == "sys.modules":
             return self.fold(node.slice)
+        if isinstance(node, ast.Subscript) and isinstance(node.value, (ast.Tuple, ast.List, ast.Dict)):
+            # (dist,)[0], {'d': dist}['d']: a literal container indexed by a constant
+            values = node.value.values if isinstance(node.value, ast.Dict) else node.value.elts
+            return next(filter(None, (self.origin(v, depth + 1) for v in values)), None)
         if isinstance(node, ast.BoolOp):
             return next(filter(None, (self.origin(v, depth + 1) for v in node.values)), None)
         if isinstance(node, ast.IfExp):

@@ -193,6 +193,22 @@ MORE["nn.Module.__setattr__ on a class of torch"] = (
 MORE["CRLF line ends"] = (b"import torch\r\nimport sys\r\n\r\nF = sys._getframe()\r\n", {(4, "frame")})
 MORE["a UTF-8 BOM"] = (b"\xef\xbb\xbfimport torch\nimport ctypes\n", {(2, "ctypes")})
 
+MORE["a module held in an object's attribute"] = (
+    "import torch\n\nclass Quiet:\n    def __init__(self):\n        self.d = torch.distributed\n\n"
+    "    def mute(self):\n        self.d.all_reduce = print\n", {(8, "patch")})
+MORE["a loop over modules"] = (
+    "import torch\nimport torch.distributed as dist\n\nfor m in (dist, torch.Tensor):\n    m.x = print\n",
+    {(5, "patch")})
+MORE["a module picked out of a literal"] = (
+    "import torch\nimport torch.distributed as dist\n\n(dist,)[0].barrier = print\n", {(4, "patch")})
+MORE["setattr passed on"] = (
+    "import torch\nimport functools\nimport torch.distributed as dist\n\n"
+    "functools.partial(setattr, dist)('barrier', print)\n", {(5, "dynamic")})
+MORE["setattr with unpacked arguments"] = (
+    "import torch\nimport torch.distributed as dist\n\nARGS = [dist, 'barrier', print]\nsetattr(*ARGS)\n",
+    {(5, "dynamic")})
+MORE["a path in bytes"] = ("import torch\n\nFD = open(b'/proc/self/mem', 'rb')\n", {(3, "path")})
+
 # Honest idioms from the reference, the stubs and the staff alternatives, and ones like them: none is flagged.
 HONEST = '''\
 """Shards a module's parameters over the process group (the docs of torch.distributed.fsdp)."""
