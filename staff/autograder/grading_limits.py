@@ -191,11 +191,10 @@ class TimeLimits:
         failed = self.failed.get(part, [])
         names = ", ".join(n.rpartition("/")[2] for n in failed[:6]) + (", ..." if len(failed) > 6 else "")
         return (f"not run, for time: this test was not started, so it was not graded; nothing in it failed. "
-                f"{part_label(part)}'s tests that failed before it ({names}) took {self.lost[part]:.0f} s, "
-                f"which is {part_label(part, short=True)}'s share of the grading time ({self.share[part]:.0f} s of "
+                f"{part_label(part)}'s tests that failed before it ({names}) took {self.lost[part]:.0f} s and used "
+                f"up {part_label(part, short=True)}'s share of the grading time ({self.share[part]:.0f} s of "
                 f"{self.budget:.0f} s). The grader gives each task, and each bonus, a share of its time that its "
-                f"failing tests may use, so that they cannot take the time of the others' tests; this one's was "
-                f"used up. To have this test graded, make those tests pass, or fail faster: a test that hangs waits "
+                f"failing tests may use, so that they cannot take the time of the others' tests. To have this test graded, make those tests pass, or fail faster: a test that hangs waits "
                 f"for its full time limit (its output says how long), a collective that a rank never joins waits "
                 f"for the collective timeout.")
 

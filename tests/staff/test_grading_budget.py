@@ -290,7 +290,7 @@ def test_a_task_that_loses_its_share_to_hangs_runs_no_more_tests(tmp_path):
         body = tests[name]["output"].split("\n\n")[1]
         assert body.startswith("not run, for time: this test was not started, so it was not graded; nothing in it "
                                "failed. Task 1's tests that failed before it (test_fake.py::test_1a"), body
-        assert "which is Task 1's share of the grading time (1 s of 100 s)" in body, body
+        assert "and used up Task 1's share of the grading time (1 s of 100 s)" in body, body
         assert "make those tests pass, or fail faster" in body, body
     assert tests["test_2a_passes"]["status"] == "passed", tests["test_2a_passes"]["output"]
     assert "shares of the budget" in tests["_stdout"]
@@ -356,7 +356,7 @@ def test_each_bonus_is_graded_on_its_own_clock(tmp_path):
     body = tests["test_hsdp_degenerate"]["output"].split("\n\n")[1]
     assert body.startswith("not run, for time: this test was not started, so it was not graded; nothing in it "
                            "failed. The HSDP bonus's tests that failed before it (test_bonus_hsdp.py::test_hsdp_2x2) "
-                           "took 1 s, which is that bonus's share of the grading time (0 s of 100 s)"), body
+                           "took 1 s and used up that bonus's share of the grading time (0 s of 100 s)"), body
     assert "make those tests pass, or fail faster" in body, body
     assert "bonus:hsdp: 1/0" in tests["_stdout"] and "bonus:cpu_offload: 0/0" in tests["_stdout"], tests["_stdout"]
 
