@@ -18,7 +18,8 @@ what runs (``display``: bidirectional controls, zero-width and other invisible c
 vertical tab or lone carriage return inside a line, identifiers Python folds by NFKC such as ``ｓｙｓ``).
 
 What is flagged (each a ``kind``): ``frame`` (frame or stack inspection, tracing hooks, tracebacks), ``audit``
-(``sys.addaudithook``, ``sys.audit``), ``gc`` (walking the garbage collector's objects), ``ctypes`` (ctypes, cffi),
+(``sys.addaudithook``, ``sys.audit``; ``os.close``, ``os.dup2``, ``fcntl``: the rank audit's channel is a
+descriptor), ``gc`` (walking the garbage collector's objects), ``ctypes`` (ctypes, cffi),
 ``native`` (extension loading: ``torch.utils.cpp_extension``, ``torch.ops.load_library``), ``mmap`` (shared or
 file mappings: mmap, memfd, shared_memory, ``_posixshmem``, ``torch.from_file``, ``numpy.memmap``), ``path``
 (``/proc``, ``/dev``, ``/sys``, ``/tmp``, cgroups in a string however it is built, and ``open``/``os.open``/

@@ -209,6 +209,9 @@ MORE["setattr with unpacked arguments"] = (
     {(5, "dynamic")})
 MORE["a path in bytes"] = ("import torch\n\nFD = open(b'/proc/self/mem', 'rb')\n", {(3, "path")})
 
+MORE["the audit's descriptor replaced"] = (
+    "import torch\nimport os\n\nos.dup2(os.open(os.devnull, os.O_WRONLY), 3)\n", {(4, "audit"), (4, "path")})
+
 # Honest idioms from the reference, the stubs and the staff alternatives, and ones like them: none is flagged.
 HONEST = '''\
 """Shards a module's parameters over the process group (the docs of torch.distributed.fsdp)."""
