@@ -327,6 +327,33 @@ if quick:
     print("         Run python benchmarks/run_all.py without --quick and paste its tables into your writeup.")
 for f in big:
     print(f"WARNING: {f} is larger than 5 MiB; is it meant to be there?")
+
+# Images WRITEUP.md shows (Markdown ![..](path) or <img src="path">): a local one the zip does not hold is missing
+# for the graders (Q12 without its picture earns half of each part). benchmarks/results/step_timeline.png itself is
+# zipped above, and counts as the picture.
+import re
+if "WRITEUP.md" in writeups:
+    md_text = Path("WRITEUP.md").read_text(encoding="utf-8", errors="replace")
+    links = re.findall(r"!\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+[\"'][^)]*)?\)", md_text)
+    links += re.findall(r"<img\b[^>]*\bsrc\s*=\s*[\"']([^\"']+)[\"']", md_text, flags=re.IGNORECASE)
+    zipped_set = set(files)
+    for link in dict.fromkeys(links):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", link, flags=re.IGNORECASE) or link.startswith("#"):
+            continue  # a URL (http:, data:): not a file of the repository
+        rel = Path(link.split("#")[0].split("?")[0])
+        where = rel.as_posix()
+        try:
+            where = (Path.cwd() / rel).resolve().relative_to(Path.cwd().resolve()).as_posix()
+        except ValueError:
+            pass  # outside the repository: certainly not zipped
+        if where in zipped_set:
+            continue
+        exists = (Path.cwd() / rel).is_file()
+        print(f"WARNING: WRITEUP.md shows the image {link}, which "
+              + ("is not in the zip (only benchmarks/results/*.png and bonus/*.png are taken)" if exists
+                 else "does not exist") + ": the graders will not see it.")
+        print("         Put the image in benchmarks/results/ and link it from there (e.g. "
+              "![timeline](benchmarks/results/step_timeline.png)), or export writeup.pdf with the image in it.")
 for f in task_files:
     left = Path(f).read_text(encoding="utf-8", errors="replace").count('raise NotImplementedError("Task ')
     if left:

@@ -248,3 +248,33 @@ def test_a_python_without_torch_suggests_the_virtualenv(repo, tmp_path):
 def test_gitignore_ignores_virtualenvs():
     lines = (ROOT / ".gitignore").read_text().split()
     assert "venv/" in lines and ".venv/" in lines
+
+
+def test_an_image_the_zip_would_drop_is_warned_about(repo):
+    """Issue 37, M3: Q12 halves every part without the picture; an image WRITEUP.md links outside what the zip
+    takes (benchmarks/results/*.png, bonus/*.png) used to be dropped silently. The zip's own step_timeline.png,
+    linked or not, is in the zip and draws no warning."""
+    results = repo / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "step_timeline.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (repo / "figs").mkdir()
+    (repo / "figs" / "crop.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (results / "quick").mkdir()
+    (results / "quick" / "step_timeline.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    text = filled_writeup() + ("\n![timeline](benchmarks/results/step_timeline.png)\n![crop](figs/crop.png)\n"
+                               '<img src="./benchmarks/results/quick/step_timeline.png" width="400">\n'
+                               "![gone](missing.png)\n![web](https://example.org/x.png)\n")
+    (repo / "WRITEUP.md").write_text(text)
+    proc = run(repo, "--skip-tests")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "WARNING: WRITEUP.md shows the image figs/crop.png, which is not in the zip" in out, out
+    assert "WARNING: WRITEUP.md shows the image ./benchmarks/results/quick/step_timeline.png, which is not in the zip" in out
+    assert "WARNING: WRITEUP.md shows the image missing.png, which does not exist" in out
+    assert "Put the image in benchmarks/results/" in out
+    assert "image benchmarks/results/step_timeline.png" not in out and "example.org" not in out, out
+    assert "benchmarks/results/step_timeline.png" in zipped(repo)
+    # Linked from where the zip takes it: no warning at all.
+    (repo / "WRITEUP.md").write_text(filled_writeup() + "\n![timeline](benchmarks/results/step_timeline.png)\n")
+    proc = run(repo, "--skip-tests")
+    assert proc.returncode == 0 and "shows the image" not in proc.stdout, proc.stdout
