@@ -97,8 +97,9 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "weight(n): a graded test's weight within its task (tests/points.py)")
     config.addinivalue_line("markers", "bonus(name): a bonus test, graded apart from the 100 (tests/points.py)")
-    config.addinivalue_line("markers", "evidence(*what): the test decides memory or bytes from the ranks' reports")
-    config.addinivalue_line("markers", "witnessed(twins): the kernel watches this test's run; twins run its code")
+    # Each such test is judged by the kernel's witness on its own run (tests/staff/test_witness.py checks that every
+    # one passes a Witness to run_ranks): a witness failure fails that test, and nothing else.
+    config.addinivalue_line("markers", "evidence(*what): the test decides memory or bytes, witnessed on its own run")
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(Grader(config), "fsdp-grader")
 
@@ -132,8 +133,6 @@ class Grader(Selection, ResultsJson):
             self.memory_watch = MemoryWatch(self.rank_uid, int(student_limit), list(self.shared_places),
                                             kill_everything_of)
         self.limits = TimeLimits(config, self.budget)
-        self.refuted: dict[str, str] = {}  # "memory"/"bytes" -> why (the test whose kernel witness refuted it)
-        self.unwatched: dict[str, str] = {}  # witnessed test whose run failed another way -> that failure's first line
 
     def clean(self, text: str) -> str:
         """Text from the submission as results.json may show it (sanitize, below)."""
@@ -196,78 +195,12 @@ class Grader(Selection, ResultsJson):
                 rec.failed_phase = report.when
                 rec.failure = failure_text(call.excinfo, report, rec.task)
             if call.excinfo is not None:
-                self.refute(rec, call.excinfo.value)
-                self.note_unwatched(rec, call.excinfo.value)
                 hung = self.limits.record_failure(item.nodeid, rec.name, call.excinfo.value)
                 if hung:
                     rec.notes.append(f"note: {' and '.join(hung)} hung here: later tests that call "
                                      f"{'it' if len(hung) == 1 else 'them all'} run with a shorter time limit "
                                      f"(a probe), and once {HANG_CONFIRMATIONS} test functions hung with none "
                                      f"passing, the rest are reported as not run at once")
-
-    def refute(self, rec: Record, exc: BaseException) -> None:
-        """A kernel witness failed (harness RankFailure, kind "witness"): the ranks' resident memory or the bytes
-        they wrote disagree with the test's bound. The ranks' own reports of that property (storage sizes, the
-        memory tracker, the monitor; the collective counter) can no longer be believed in this run, and they are
-        the student's process to rewrite: every graded test that decides the property from them (marker
-        evidence) fails, before or after this one. A lie then earns nothing: a submission that hides a defect
-        from the reports loses what the same defect told honestly loses (staff/grader_selftest/lies.py)."""
-        if type(exc).__name__ != "RankFailure" or getattr(exc, "kind", None) != "witness":
-            return
-        text = str(exc)
-        found = {"memory"} if "resident memory" in text else set()
-        found |= {"bytes"} if "bytes written" in text else set()
-        # Counters hidden or a rank gone: neither property stands.
-        self._refute_properties(rec, found or {"memory", "bytes"}, f"the kernel's witness in {rec.name} refuted",
-                                f"the kernel's witness refuted the ranks' reports of {{what}} in {rec.name}")
-
-    def note_unwatched(self, rec: Record, exc: BaseException) -> None:
-        """Evidence fails closed: a witnessed test that failed another way (a rank raised, exited or hung in the
-        watched run, or its checks broke) leaves the kernel nothing to vouch for. That alone refutes nothing (the
-        same bug fails its twin too); see fail_closed."""
-        if not rec.witnessed_twins or getattr(exc, "kind", None) == "witness":
-            return
-        self.unwatched.setdefault(rec.nodeid, (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300])
-        self.fail_closed()
-
-    def fail_closed(self) -> None:
-        """A witnessed test failed another way while one of its twins, which run the same code unwatched, passed:
-        the submission fails only where the kernel watches (issue 32: a task module that raised at import only in the
-        witnessed run scored 99.56 with every report a lie). The ranks' reports of memory and bytes then stand
-        nowhere, as when the witness refutes them."""
-        for nodeid, first_line in self.unwatched.items():
-            rec = self.records[nodeid]
-            passed = [r.nodeid.partition("::")[2] for r in self.records.values()
-                      if r.nodeid.partition("::")[2].split("[")[0] in rec.witnessed_twins
-                      and r.state == "done" and r.call_passed and r.failed_phase is None]
-            if passed:
-                cause = (f"{rec.name} failed in the run the kernel watches ({first_line}) while {passed[0]} (the "
-                         f"same code, unwatched) passed: the kernel's witness there refuted")
-                self._refute_properties(rec, {"memory", "bytes"}, cause,
-                                        f"the kernel's witness refuted the ranks' reports of {{what}} in {rec.name}, "
-                                        f"which failed where the kernel watches while {passed[0]} passed "
-                                        f"unwatched (evidence fails closed)")
-
-    def _refute_properties(self, rec: Record, found: set[str], cause: str, note: str) -> None:
-        """``cause`` heads each refuted test's output ("... refuted"); ``note`` ("... {what} ...") the run's."""
-        changed = False
-        for what in sorted(found):
-            if what in self.refuted:
-                continue
-            changed = True
-            self.refuted[what] = rec.name
-            why = (f"failed: {cause} what this submission's ranks report about "
-                   f"{'their memory' if what == 'memory' else 'the bytes they send'}, and this test decides that "
-                   f"from those reports. The kernel's count stands for every such test (a defect hidden from "
-                   f"the reports loses what it loses told honestly); see that test's output. Staff review this "
-                   f"run.")
-            self.notes.append(note.format(what="memory" if what == "memory" else "bytes sent")
-                              + ": the tests that decide it from them score 0")
-            for other in self.records.values():
-                if what in other.evidence and not other.refuted and other is not rec:
-                    other.refuted = why
-        if changed:
-            self.write()
 
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_teardown(self, item, nextitem) -> None:
@@ -292,8 +225,6 @@ class Grader(Selection, ResultsJson):
                 self.limits.end_test(nodeid, rec.task, time.time() - self.start, rec.duration,
                                      rec.call_passed and rec.failed_phase is None)
             rec.state = "done"
-            if self.unwatched:  # a twin that passes after its witnessed test failed
-                self.fail_closed()
             self.write()
 
     @pytest.hookimpl(trylast=True)

@@ -75,16 +75,12 @@ class ResultsJson:
                     "limit or a crash); it scores 0")
         elif rec.passed:
             body = f"passed ({rec.duration:.1f} s)"
-        elif rec.refuted and rec.call_passed and rec.failed_phase is None:
-            body = rec.refuted
         elif rec.failed_phase == "not run":
             body = rec.failure
         else:
             phase = {"setup": "failed while setting up", "teardown": "failed while tearing down"}.get(
                 rec.failed_phase or "", "failed")
             body = f"{phase}:\n\n{rec.failure}" if rec.failure else phase
-        if rec.refuted and not (rec.call_passed and rec.failed_phase is None):
-            body += "\n\n(also " + rec.refuted + ")"
         text = self.clean("\n".join([head, "", body, *rec.notes]))
         if len(text) > OUTPUT_LIMIT:
             text = text[:OUTPUT_LIMIT] + f"\n... (output cut at {OUTPUT_LIMIT} characters)"

@@ -11,10 +11,11 @@ import torch
 
 from fsdp_assignment.support.models import GPT, ToyMLP, gpt_batch, gpt_loss
 from tests.harness import run_ranks
-from tests.public.common import assert_close, check_flat_params, expected_shard
-from tests.public.test_task4_backward import check_lora, lora_run
+from tests.public.common import assert_close, check_flat_params, expected_shard, witness_for
+from tests.public.test_task4_backward import check_lora, lora_run, lora_witness
 from tests.hidden.scenarios.task4 import (  # what the ranks run
     CFG,
+    MEMORY_CFG,
     TwiceAndDetached,
     UsesOneOutput,
     _backward_memory,
@@ -35,7 +36,11 @@ MULTI_UNITS = ["two.", ""]
 @pytest.mark.evidence("memory")
 def test_gradients_accumulate_over_backward_passes():
     world_size = 3
-    results = run_ranks(_two_backwards, world_size, timeout=30)
+    # Two backwards: nested units (an inner unit alive inside its block's), each gathered twice and reduce-scattered
+    # once a backward.
+    units = [p for i in range(3) for p in (f"blocks.{i}.inner.", f"blocks.{i}.")] + ["unused.", ""]
+    witness = witness_for(lambda: ToyMLP(with_unused=True), units, world_size, unsharded=3, full_grads=2, moved=6)
+    results = run_ranks(_two_backwards, world_size, timeout=30, witness=witness)
     torch.manual_seed(0)
     model = ToyMLP(with_unused=True)
     for step in range(2):
@@ -86,7 +91,12 @@ def test_gradients_accumulate_over_backward_passes():
 @pytest.mark.weight(3)
 @pytest.mark.evidence("memory")
 def test_backward_really_frees_full_parameters_and_gradients():
-    for rank, got in enumerate(run_ranks(_backward_memory, 2)):
+    # One backward, the model built unit by unit: the root and the unit computing, its full gradient and the
+    # reduce-scatter's input and output at most; every unit gathered twice and reduce-scattered once (gloo's own
+    # reduce-scatter, which moves an all-reduce's bytes: twice).
+    witness = witness_for(lambda: GPT(MEMORY_CFG), [f"blocks.{i}." for i in range(MEMORY_CFG.n_layer)] + [""], 2,
+                          built=0, unsharded=2, full_grads=3, moved=4)
+    for rank, got in enumerate(run_ranks(_backward_memory, 2, witness=witness)):
         slack = min(got["block_bytes"]) // 2  # less than one block's full parameters
         bound = got["grad_shard_bytes"] + slack
         assert got["after_backward"] <= bound, (
@@ -124,7 +134,9 @@ def test_frozen_embedding_and_a_fully_frozen_unit():
     reaches its inputs) with one block frozen entirely (no gradient at all): nothing hangs, adapter gradients and
     one AdamW step equal one process, one non-root unit unsharded at a time during backward, none after."""
     world_size = 3
-    check_lora(run_ranks(lora_run, world_size, 4, False, True, 2), world_size, freeze_embedding=True, frozen_block=2)
+    witness = lora_witness(world_size, freeze_embedding=True, frozen_block=2)
+    check_lora(run_ranks(lora_run, world_size, 4, False, True, 2, witness=witness), world_size, freeze_embedding=True,
+               frozen_block=2)
 
 
 @pytest.mark.evidence("memory")
@@ -132,7 +144,9 @@ def test_unit_run_twice_and_detached_output():
     """Neither hangs nor stays unsharded: the unit run twice gets the sum of both runs' gradients, the unit whose
     output was detached gets none (or zeros), and every unit is resharded when backward returns."""
     world_size = 2
-    results = run_ranks(_twice_and_detached, world_size, timeout=30)
+    # A unit run twice (gathered up to twice more in backward) and one whose output is detached.
+    witness = witness_for(TwiceAndDetached, ["shared.", "side.", ""], world_size, unsharded=3, moved=6)
+    results = run_ranks(_twice_and_detached, world_size, timeout=30, witness=witness)
     torch.manual_seed(0)
     model = TwiceAndDetached()
     model(_inputs(world_size, 0)).pow(2).mean().backward()

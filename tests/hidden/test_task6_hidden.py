@@ -10,12 +10,22 @@ import pytest
 import torch
 from fsdp_assignment.support.models import gpt_batch, gpt_loss
 from tests.harness import run_ranks
-from tests.public.common import assert_close, check_flat_params, expected_shard, full_params_of
-from tests.public.test_task4_backward import check_lora, lora_run
+from fsdp_assignment.support.models import GPT
+from tests.public.common import (WITNESS_PEAK_OVERHEAD_HEAVY_BYTES, assert_close, check_flat_params, expected_shard,
+                                 full_params_of, witness_for)
+from tests.public.test_task4_backward import check_lora, lora_run, lora_witness
 # _both and _reorder are what the ranks run
-from tests.hidden.scenarios.task6 import CFG, ORDERS, TWICE, ReorderedGPT, _both, _reorder  # noqa: F401
+from tests.hidden.scenarios.task6 import CFG, ORDERS, STEPS, TWICE, ReorderedGPT, _both, _reorder  # noqa: F401
 
 pytestmark = pytest.mark.task6
+
+
+def _prefetch_witness(world_size: int, *, unsharded: int = 3, moved: float):
+    """The scenarios' GPT(CFG), built whole and sharded by hand: at most the block computing, the one prefetched and
+    the root unsharded (``unsharded``), SGD momentum on the shards."""
+    return witness_for(lambda: GPT(CFG), [f"blocks.{i}." for i in range(CFG.n_layer)] + [""], world_size,
+                       shard_copies=3, unsharded=unsharded, overhead_bytes=WITNESS_PEAK_OVERHEAD_HEAVY_BYTES,
+                       moved=moved)
 
 
 # Per step: the order the blocks run in. The order changes at step 2 (the first forward after a change may
@@ -41,7 +51,10 @@ def _train_reordered_single_process(world_size, orders=ORDERS):
 @pytest.mark.evidence("memory")
 def test_prefetch_gathers_each_unit_once_and_finishes_every_reduction():
     n = CFG.n_layer
-    for rank, got in enumerate(run_ranks(_both, 3)):
+    # Two trainings of STEPS steps (prefetching off, then on): every unit gathered twice and reduce-scattered once a
+    # step; the unit computing, the one prefetched and the root unsharded at most.
+    witness = _prefetch_witness(3, moved=2 * STEPS * 3)
+    for rank, got in enumerate(run_ranks(_both, 3, witness=witness)):
         on, off = got["on"], got["off"]
         fwd, bwd = on["gathers"]["forward"], on["gathers"]["backward"]
         expected_fwd = {"root": 1, **{f"block{i}": 1 for i in range(n)}}
@@ -72,7 +85,8 @@ def test_prefetch_follows_a_changed_order_and_frees_units_that_never_run():
     world_size = 2
     expected = _train_reordered_single_process(world_size)
     full = full_params_of(expected)
-    for rank, got in enumerate(run_ranks(_reorder, world_size)):
+    witness = _prefetch_witness(world_size, moved=len(ORDERS) * 3)  # a step per order; SGD, no state
+    for rank, got in enumerate(run_ranks(_reorder, world_size, witness=witness)):
         order = ORDERS[RELEARNED_STEP]
         events = got["events"][RELEARNED_STEP]
         split = next(i for i, e in enumerate(events) if e == ("fwd", f"block{order[-1]}"))
@@ -124,7 +138,9 @@ def test_prefetch_with_a_block_run_twice_keeps_two_units_unsharded():
     world_size = 2
     expected = _train_reordered_single_process(world_size, TWICE)
     full = full_params_of(expected)
-    for rank, got in enumerate(run_ranks(_reorder, world_size, TWICE)):
+    # Block 0 runs twice a step: up to two more gathers of it, and one more unit alive (its second run's).
+    witness = _prefetch_witness(world_size, unsharded=4, moved=len(TWICE) * 5)
+    for rank, got in enumerate(run_ranks(_reorder, world_size, TWICE, witness=witness)):
         for step, worst in got["max_unsharded"].items():
             assert worst <= 2, (
                 f"rank {rank}: step {step}, blocks run in the order {TWICE[step]}: {worst} non-root units were "
@@ -145,4 +161,6 @@ def test_prefetch_with_frozen_embedding_and_a_fully_frozen_unit():
     """As Task 4's hidden LoRA test, with prefetching on: the first block's input needs no gradient and one block
     has no trainable parameter; at most two non-root units unsharded, gradients and one AdamW step as one process."""
     world_size = 2
-    check_lora(run_ranks(lora_run, world_size, 6, True, True, 2), world_size, prefetch=True, freeze_embedding=True, frozen_block=2)
+    witness = lora_witness(world_size, prefetch=True, freeze_embedding=True, frozen_block=2)
+    check_lora(run_ranks(lora_run, world_size, 6, True, True, 2, witness=witness), world_size, prefetch=True,
+               freeze_embedding=True, frozen_block=2)

@@ -15,7 +15,8 @@ from fsdp_assignment.support.models import GPT, gpt_batch, gpt_loss
 from tests.harness import run_ranks
 from tests.public.invariants import check_monitor
 from tests.public.common import (
-    assert_close, check_flat_params, expected_shard, full_params_of, train_single_process, unit_numels,
+    assert_close, check_flat_params, expected_shard, full_params_of, train_single_process, unit_numels, witness_for,
+    WITNESS_PEAK_OVERHEAD_HEAVY_BYTES,
 )
 from tests.hidden.scenarios.task7 import (  # what the ranks run
     ACCUM_INPUTS,
@@ -100,11 +101,19 @@ def test_mixed_precision_gathers_and_reduces_in_the_right_dtypes():
                 f"{g['grad_dtypes']} must stay fp32")
 
 
+GPT_UNITS_HIDDEN = [f"blocks.{i}." for i in range(CFG.n_layer)] + [""]  # the scenarios shard the blocks, then the root
+
+
 @pytest.mark.weight(3)
 @pytest.mark.evidence("bytes", "memory")
 def test_gradient_accumulation_over_two_steps_with_prefetch():
     world_size, steps, micro_batches = 2, 2, 2
-    results = run_ranks(_accumulate, world_size, steps, micro_batches)
+    # Every unit gathered twice a micro-batch, reduce-scattered once a step (the synced micro-batch), then gathered
+    # once for the values; an SGD state (momentum) on the shards.
+    witness = witness_for(lambda: GPT(CFG), GPT_UNITS_HIDDEN, world_size, shard_copies=3,
+                          overhead_bytes=WITNESS_PEAK_OVERHEAD_HEAVY_BYTES,
+                          moved=steps * (2 * micro_batches + 1) + 1)
+    results = run_ranks(_accumulate, world_size, steps, micro_batches, witness=witness)
     torch.manual_seed(0)
     model = GPT(CFG)
     optim = torch.optim.SGD(model.parameters(), **SGD)
@@ -132,7 +141,11 @@ def test_gradient_accumulation_over_two_steps_with_prefetch():
 @pytest.mark.evidence("memory")
 def test_reshard_after_forward_false_via_fully_shard():
     world_size = 2
-    results = run_ranks(_no_reshard, world_size)
+    # Blocks stay unsharded from forward to backward: all of them may be alive at once. Each step gathers every
+    # unit once (the root again in backward) and reduce-scatters it once; then one gather for the values.
+    witness = witness_for(lambda: GPT(CFG), GPT_UNITS_HIDDEN, world_size, shard_copies=3, unsharded=CFG.n_layer + 1,
+                          overhead_bytes=WITNESS_PEAK_OVERHEAD_HEAVY_BYTES, moved=2 * 3 + 1)
+    results = run_ranks(_no_reshard, world_size, witness=witness)
     expected = train_single_process(CFG, world_size, 2, torch.optim.SGD, **SGD)
     units = [f"blocks.{i}." for i in range(CFG.n_layer)] + [""]
     numels = unit_numels(expected, units)

@@ -16,6 +16,8 @@ Task 7's ``fully_shard``.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -47,24 +49,69 @@ def hand_shard(root: nn.Module, unit_modules: list[nn.Module], *, reshard_after_
     frozen FlatParameter (Task 2); the life cycle of Task ``hooks`` (3, 4 or 6; None: none) is registered;
     the units share one SharedState with ``root``'s unit as the root. Returns the root unit.
     """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     for module in unit_modules:
-        trainable, frozen = [], []
-        for name, param in module.named_parameters(remove_duplicate=False):
-            if name.rpartition(".")[2] not in FLAT_PARAM_NAMES:
-                (trainable if param.requires_grad else frozen).append(name)
-        flat_params = []
-        for names, attr in ((trainable, FLAT_PARAM_NAMES[0]), (frozen, FLAT_PARAM_NAMES[1])):
-            if names:
-                flat_param = adapters.make_flat_param(module, names, rank, world_size)
-                module.register_parameter(attr, flat_param.shard)
-                flat_params.append(flat_param)
-        unit = FSDPUnit(module=module, flat_params=flat_params, reshard_after_forward=reshard_after_forward)
-        module._fsdp_unit = unit
-        if hooks is not None:
-            HOOKS[hooks](unit)
+        hand_shard_unit(module, reshard_after_forward=reshard_after_forward, hooks=hooks)
     init_shared_state(root._fsdp_unit)
     return root._fsdp_unit
+
+
+def hand_shard_unit(module: nn.Module, *, reshard_after_forward: bool = True, hooks: int | None = 4) -> FSDPUnit:
+    """One unit of ``hand_shard``: its FlatParameters (trainable, frozen) and the life cycle of Task ``hooks``."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    trainable, frozen = [], []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if name.rpartition(".")[2] not in FLAT_PARAM_NAMES:
+            (trainable if param.requires_grad else frozen).append(name)
+    flat_params = []
+    for names, attr in ((trainable, FLAT_PARAM_NAMES[0]), (frozen, FLAT_PARAM_NAMES[1])):
+        if names:
+            flat_param = adapters.make_flat_param(module, names, rank, world_size)
+            module.register_parameter(attr, flat_param.shard)
+            flat_params.append(flat_param)
+    unit = FSDPUnit(module=module, flat_params=flat_params, reshard_after_forward=reshard_after_forward)
+    module._fsdp_unit = unit
+    if hooks is not None:
+        HOOKS[hooks](unit)
+    return unit
+
+
+@contextmanager
+def sharded_as_built(unit_cls: type, shard):
+    """While it is open, every ``unit_cls`` module is sharded (``shard(module)``) as soon as it is constructed, so
+    a model whose ``__init__`` builds its blocks one after another (GPT, LoRAModel) never holds more than one
+    block's full parameters: the kernel's witness of the rank's memory then sees what training holds, not what
+    building the model did. Its values are the model's own (the same modules from the same random numbers, in
+    the same order): sharding draws none."""
+    init = unit_cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if type(self) is unit_cls:
+            shard(self)
+
+    unit_cls.__init__ = __init__
+    try:
+        yield
+    finally:
+        unit_cls.__init__ = init
+
+
+def hand_shard_as_built(build, unit_cls: type, *, before_shard=None, **kwargs) -> nn.Module:
+    """``build()``, each ``unit_cls`` module made a unit as it is built, then the root: what ``hand_shard(model,
+    [*blocks, model])`` makes, without the whole model ever existing in the rank. ``before_shard(module, i)``
+    may change the i-th block before it is sharded (freeze it)."""
+    built = []
+
+    def shard(module):
+        if before_shard is not None:
+            before_shard(module, len(built))
+        built.append(hand_shard_unit(module, **kwargs))
+
+    with sharded_as_built(unit_cls, shard):
+        model = build()
+    hand_shard_unit(model, **kwargs)
+    init_shared_state(model._fsdp_unit)
+    return model
 
 
 def hand_shard_gpt(model: GPT, **kwargs):
@@ -210,6 +257,58 @@ def check_sharded_training(calls: list[dict], shard_numels: list[int], model: nn
     assert reduced == expected, (
         f"{where}: reduce-scatters of {reduced} elements in {steps} steps; expected each unit's padded full "
         f"gradient once a step: {expected}")
+
+
+def witness_for(build, unit_prefixes: list[str], world_size: int, *, models: int = 1, **kwargs):
+    """``witness_bounds`` for a body that builds ``models`` whole copies of ``build()`` (built on the meta device
+    here, so it costs nothing) and shards each into the units ``unit_prefixes``; ``kwargs`` as witness_bounds
+    (``built`` defaults to every copy's elements: the body holds a whole model before sharding it)."""
+    with torch.device("meta"):
+        model = build()
+    numels = list(unit_numels(model, unit_prefixes).values())
+    kwargs.setdefault("built", models * sum(numels))
+    kwargs["shard_copies"] = models * kwargs.get("shard_copies", 2)
+    kwargs["moved"] = kwargs.get("moved", 0.0)
+    return witness_bounds(numels, world_size, **kwargs)
+
+
+# What a body takes beyond its model, allowed on top of every bound (stated overheads, not measurements of the code
+# under test). Peak: the first autograd, BLAS, gloo and allocator work of a rank, which stays resident (the
+# reference's tiny-model bodies rise 10-29 MiB; the kernel's noise of an idle rank is 1-2 MiB on top).
+WITNESS_PEAK_OVERHEAD_BYTES = 40 << 20
+# Bodies that step a torch optimizer (its first step imports and sets up more of torch) or run torch's FSDP2 rise
+# 51-82 MiB.
+WITNESS_PEAK_OVERHEAD_HEAVY_BYTES = 96 << 20
+# Bytes: barriers, scalar collectives (a norm, a flag), the monitor's and the counter's own exchanges.
+WITNESS_SENT_OVERHEAD_BYTES = 256 << 10
+
+
+def witness_bounds(unit_numels, world_size: int, *, built: int = 0, shard_copies: int = 2, unsharded: int = 2,
+                   full_grads: int = 1, extra_bytes: int = 0, overhead_bytes: int = WITNESS_PEAK_OVERHEAD_BYTES,
+                   moved: float = 0.0, extra_sent: int = 0, sent_overhead: int = WITNESS_SENT_OVERHEAD_BYTES,
+                   itemsize: int = 4, deferred: bool = False):
+    """A test's own bounds for the kernel's witness (tests/harness.py, Witness), from its own model.
+
+    ``unit_numels``: the elements each unit owns (``unit_numels(model, prefixes).values()``); each is padded to a
+    multiple of W, Σ is their sum, U the largest. Peak resident memory above the body's start, in elements of
+    ``itemsize`` bytes:  built (what the body holds of a full model it builds before sharding it: Σ when it builds
+    the whole model first, 0 when it shards unit by unit)  +  shard_copies · Σ/W (each rank's shards of the
+    parameters, their gradients, the optimizer's state)  +  (unsharded + full_grads) · U (the full units the
+    property allows alive at once, with the buffers of the collectives filling them, and the full gradients
+    alive at once)  +  ``extra_bytes`` (activations, a second model the body builds) +  ``overhead_bytes``.
+    Bytes each rank sends:  moved · Σ · (W-1)/W  ·  itemsize  (every unit's all-gather and reduce-scatter each
+    move (W-1)/W of its padded elements out of every rank; ``moved`` counts them: 3 for one training step with
+    resharding, 2 for a step that gathers each unit once)  +  ``extra_sent``  +  ``sent_overhead``.
+    A memory bound resolves a property only where U stands well above the kernel's noise (1-2 MiB): the tests
+    whose models are a few KiB are bounded against gross excess (a leak of a large model), not against one unit.
+    """
+    from tests.harness import Witness
+    padded = [-(-int(n) // world_size) * world_size for n in unit_numels if n]
+    total, biggest = sum(padded), max(padded, default=0)
+    peak = itemsize * (built + shard_copies * total // world_size + (unsharded + full_grads) * biggest)
+    sent = int(itemsize * moved * total * (world_size - 1) / world_size)
+    return Witness(peak_bytes=peak + extra_bytes + overhead_bytes, sent_bytes=sent + extra_sent + sent_overhead,
+                   deferred=deferred)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = 1e-5) -> None:

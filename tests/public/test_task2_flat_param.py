@@ -10,7 +10,7 @@ import adapters
 from fsdp_assignment.support.memory import LiveStorageTracker
 from fsdp_assignment.support.models import GPT, GPTConfig, TiedModel, ToyMLP
 from tests.harness import run_ranks
-from tests.public.common import check_flat_params, describe_flat_params, expected_shard, hand_shard_gpt
+from tests.public.common import check_flat_params, describe_flat_params, expected_shard, hand_shard_gpt, witness_for
 
 pytestmark = pytest.mark.task2
 
@@ -94,7 +94,9 @@ def _views_and_free(rank, world_size):
 
 @pytest.mark.evidence("memory")
 def test_views_alias_the_flat_buffer_and_free_releases_storage():
-    (got,) = run_ranks(_views_and_free, 1)
+    # One block built, its shard and one unsharded buffer; nothing sent (one rank).
+    witness = witness_for(_block, [""], 1, shard_copies=1, unsharded=1, full_grads=0)
+    (got,) = run_ranks(_views_and_free, 1, witness=witness)
     assert got["allocated"] == got["padded_numel"] * got["itemsize"], "alloc_unsharded must allocate padded_numel elements"
     block = _block()
     assert got["names"] == _trainable_names(block), \

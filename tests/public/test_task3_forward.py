@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import adapters
-from fsdp_assignment.support.models import GPT, GPTConfig, ToyMLP
+from fsdp_assignment.support.models import GPT, Block, GPTConfig, ToyMLP
 from tests.harness import run_ranks
 from tests.public.collectives import use_counted_collectives
-from tests.public.common import assert_close, hand_shard_gpt, local_batch, rank_device, unsharded_storage_sizes
+from tests.public.common import (assert_close, hand_shard_as_built, local_batch, rank_device,
+                                 unsharded_storage_sizes, witness_for)
 
 pytestmark = pytest.mark.task3
 
@@ -35,7 +36,10 @@ def _unshard(rank, world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.evidence("memory")
 def test_unshard_gathers_every_rank_shard_and_reshard_frees(backend, world_size):
-    results = run_ranks(_unshard, world_size, backend=backend)
+    # One block: its shard, its gathered buffer (twice, one at a time), nothing else.
+    witness = witness_for(lambda: ToyMLP().blocks[0], [""], world_size, shard_copies=1, unsharded=1, full_grads=0,
+                          moved=2)
+    results = run_ranks(_unshard, world_size, backend=backend, witness=witness)
     torch.manual_seed(0)
     block = ToyMLP().blocks[0]
     flat = torch.cat([p.detach().reshape(-1) for p in block.parameters() if p.requires_grad])
@@ -46,11 +50,16 @@ def test_unshard_gathers_every_rank_shard_and_reshard_frees(backend, world_size)
         assert got["sizes"][1] == 0, f"rank {rank}: reshard() must leave the unsharded storage at size 0"
 
 
+# Wide blocks (12.6 MiB of parameters each), built and sharded one at a time: a forward that keeps every block
+# unsharded holds 4 blocks more than one that reshards, far above the kernel's noise (1-2 MiB) and the witness's
+# stated overhead, so the kernel decides whether resharding frees.
+FORWARD_CFG = GPTConfig(n_layer=6, n_embd=512, n_head=4)
+
+
 def _forward(rank, world_size, reshard_after_forward):
-    cfg = GPTConfig()
+    cfg = FORWARD_CFG
     torch.manual_seed(0)
-    model = GPT(cfg)
-    hand_shard_gpt(model, reshard_after_forward=reshard_after_forward, hooks=3)
+    model = hand_shard_as_built(lambda: GPT(cfg), Block, reshard_after_forward=reshard_after_forward, hooks=3)
     idx, _ = local_batch(cfg, rank, world_size, step=0)
     with torch.no_grad():
         logits = model(idx)
@@ -62,8 +71,14 @@ def _forward(rank, world_size, reshard_after_forward):
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 @pytest.mark.evidence("memory")
 def test_forward_matches_single_process(world_size, reshard_after_forward):
-    results = run_ranks(_forward, world_size, reshard_after_forward)
-    cfg = GPTConfig()
+    cfg = FORWARD_CFG
+    # Two forwards without gradients, the model built unit by unit: the root and the block computing unsharded (or
+    # every unit: they stay unsharded); each unit gathered in each forward, or once.
+    n_units = cfg.n_layer + 1
+    witness = witness_for(lambda: GPT(cfg), [f"blocks.{i}." for i in range(cfg.n_layer)] + [""], world_size,
+                          built=0, shard_copies=1, unsharded=2 if reshard_after_forward else n_units, full_grads=0,
+                          moved=2 if reshard_after_forward else 1)
+    results = run_ranks(_forward, world_size, reshard_after_forward, witness=witness)
     torch.manual_seed(0)
     model = GPT(cfg)
     for rank, got in enumerate(results):

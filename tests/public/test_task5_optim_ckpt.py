@@ -8,13 +8,14 @@ import torch.distributed as dist
 
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, TiedModel, gpt_batch, gpt_loss
-from tests.harness import run_ranks
+from tests.harness import Witness, run_ranks
 from tests.public.collectives import use_counted_collectives
 from tests.public.invariants import check_monitor
 from tests.public.monitor import Monitor
 from tests.public.common import WITNESS_PEAK_OVERHEAD_HEAVY_BYTES, witness_for
 from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard, full_params_of,
-                                 hand_shard, hand_shard_gpt, local_batch, train_single_process)
+                                 gpt_sharded_block_by_block, hand_shard, hand_shard_gpt, local_batch,
+                                 train_single_process)
 
 pytestmark = pytest.mark.task5
 
@@ -211,3 +212,48 @@ def test_state_dicts_name_a_tied_weight_as_their_formats_say():
         f"rank 0: the full model state dict has keys {sorted(results[0]['full'])}; expected every name of every "
         f"parameter, tied ones under each of their names: {sorted(every)}")
     assert all(got["full"] == {} for got in results[1:]), "a full state dict lives on rank 0 only"
+
+
+# ---- A full state dict on rank 0 only, also while it is made: the kernel's count of each rank's peak -------------
+# 24 blocks of about 0.2 M parameters (4.7 M in all, about 18 MiB in fp32): the whole model's state stands far
+# above the 1-2 MiB by which an idle rank's resident memory moves, and one unit's state (what a rank other than 0
+# may hold for a moment while it takes part in the gathers) far below it.
+RANK0_CFG = GPTConfig(n_layer=24, n_embd=208, n_head=4)
+
+
+def _save_full_checkpoint(rank, world_size):
+    # Built and sharded block by block (the full model never exists in the rank), one AdamW step, then a full
+    # checkpoint saved the usual way: both state dicts made and kept together. The step's gradients are set, not
+    # computed: a backward's transient memory, freed, would be reused by rank 0's dicts and blur the comparison.
+    model = gpt_sharded_block_by_block(RANK0_CFG, lambda module: hand_shard(module, [module]))
+    optim = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optim.step()
+    saved = (adapters.get_model_state_dict(model, full=True), adapters.get_optimizer_state_dict(model, optim, full=True))
+    return {"model": len(saved[0]), "optim": len(saved[1].get("state", {})) if saved[1] else 0}
+
+
+def test_full_state_dicts_live_on_rank_0_only_also_while_they_are_made():
+    # The peaks are the kernel's (the witness reads each rank's VmHWM from the parent), not what a rank reports.
+    world_size = 2
+    witness = Witness()  # no bound of its own: the ranks' peaks are compared with each other below
+    results = run_ranks(_save_full_checkpoint, world_size, witness=witness)
+    with torch.device("meta"):
+        model = GPT(RANK0_CFG)
+    model_bytes = 4 * sum(p.numel() for p in model.parameters())  # fp32, tied weights once
+    optim_bytes = 2 * model_bytes  # AdamW's exp_avg and exp_avg_sq
+    assert results[0]["model"] and results[0]["optim"], "rank 0 must return the full state dicts (model, optimizer)"
+    assert all(got == {"model": 0, "optim": 0} for got in results[1:]), "a full state dict lives on rank 0 only"
+    peaks = [m["peak_bytes"] for m in witness.measured]
+    for rank in range(1, world_size):
+        # Rank 0 holds both full dicts at once (model + optimizer: 3 model's bytes); a rank that held the full
+        # optimizer state for a moment comes within one model's bytes of rank 0's peak, one that held the full
+        # model within two. Measured (reference, load 7): 3 model's bytes less about 5 MiB below rank 0's peak.
+        below = peaks[0] - peaks[rank]
+        assert below >= optim_bytes + model_bytes // 4, (
+            f"rank {rank}: the kernel saw its resident memory peak {below / 2**20:.1f} MiB below rank 0's "
+            f"({peaks[rank] / 2**20:.1f} vs {peaks[0] / 2**20:.1f} MiB above their start), while rank 0 holds the "
+            f"full model ({model_bytes / 2**20:.1f} MiB) and optimizer ({optim_bytes / 2**20:.1f} MiB) state dicts: "
+            f"a full state dict exists on rank 0 only, and the other ranks must not hold it while it is made either "
+            f"(take part in the gathers, keep nothing: about one unit's state at a time)")

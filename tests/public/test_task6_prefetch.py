@@ -9,10 +9,11 @@ import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, gpt_loss
 from tests.harness import run_ranks
 from tests.public.collectives import gathered_unit, use_counted_collectives
-from tests.public.common import hand_shard_gpt, local_batch
+from tests.public.common import WITNESS_PEAK_OVERHEAD_HEAVY_BYTES, hand_shard_gpt, local_batch, witness_for
 from tests.public.invariants import check_monitor
 from tests.public.monitor import Monitor
-from tests.public.test_task4_backward import check_checkpointing, check_lora, checkpointing_run, lora_run
+from tests.public.test_task4_backward import (check_checkpointing, check_lora, checkpointing_run,
+                                             checkpointing_witness, lora_run, lora_witness)
 
 pytestmark = pytest.mark.task6
 
@@ -53,7 +54,11 @@ def _bitwise(rank, world_size):
 @pytest.mark.evidence("bytes", "memory")
 def test_prefetch_changes_no_number():
     model = GPT(CFG)
-    for rank, got in enumerate(run_ranks(_bitwise, 2)):
+    # Two trainings of 3 SGD steps (momentum on the shards), prefetching off then on: each step gathers every unit
+    # twice and reduce-scatters it once; at most the unit computing, the one prefetched and the root unsharded.
+    witness = witness_for(lambda: GPT(CFG), GPT_UNITS, 2, models=2, shard_copies=3, unsharded=3,
+                          overhead_bytes=WITNESS_PEAK_OVERHEAD_HEAVY_BYTES, moved=2 * 3 * 3)
+    for rank, got in enumerate(run_ranks(_bitwise, 2, witness=witness)):
         for report, prefetch in zip(got["monitors"], (False, True)):
             check_monitor(report, model, 2, f"rank {rank}, prefetch={prefetch}")
             reductions = [c["async_op"] for it in report["iterations"] for c in it["backward_calls"]
@@ -132,7 +137,10 @@ def _trace(rank, world_size):
 @pytest.mark.evidence("bytes", "memory")
 def test_prefetch_order_and_at_most_two_units_unsharded():
     n = CFG.n_layer
-    for rank, got in enumerate(run_ranks(_trace, 2)):
+    # A warm-up step and a traced one (SGD): at most two blocks and the root unsharded; every unit moved 3 times a step.
+    witness = witness_for(lambda: GPT(CFG), GPT_UNITS, 2, shard_copies=3, unsharded=3,
+                          overhead_bytes=WITNESS_PEAK_OVERHEAD_HEAVY_BYTES, moved=2 * 3)
+    for rank, got in enumerate(run_ranks(_trace, 2, witness=witness)):
         events = got["events"]
         split = events.index(("backward", None, None))
         fwd, bwd = events[:split], events[split + 1:]
@@ -175,7 +183,8 @@ def test_prefetch_order_and_at_most_two_units_unsharded():
 def test_prefetch_with_frozen_base_weights(world_size):
     """LoRA-style blocks with prefetching on: adapter gradients and one AdamW step equal one process; at most two
     non-root units unsharded (the one computing and the one prefetched) at any sampled moment; none after."""
-    check_lora(run_ranks(lora_run, world_size, 6, True), world_size, prefetch=True)
+    check_lora(run_ranks(lora_run, world_size, 6, True, witness=lora_witness(world_size, prefetch=True)), world_size,
+               prefetch=True)
 
 
 @pytest.mark.evidence("memory")
@@ -183,4 +192,5 @@ def test_prefetch_with_activation_checkpointing():
     """Activation checkpointing (around each unit, around a block inside a unit) with prefetching on: gradients
     equal one process, at most two non-root units unsharded, recomputation included: a forward that runs during
     backward neither records the order nor prefetches."""
-    check_checkpointing(run_ranks(checkpointing_run, 2, 6, True, timeout=90), 2, prefetch=True)
+    check_checkpointing(run_ranks(checkpointing_run, 2, 6, True, timeout=90,
+                                  witness=checkpointing_witness(2, prefetch=True)), 2, prefetch=True)
