@@ -158,7 +158,8 @@ class Scopes:
             if func == "<builtin>.getattr" and len(node.args) >= 2:
                 base, name = self.origin(node.args[0], depth + 1), self.fold(node.args[1])
                 return f"{base}.{name}" if base and name and not base.startswith("<builtin>") else None
-            if func in ("<builtin>.__import__", "importlib.import_module") and node.args:
+            if func in ("<builtin>.__import__", "importlib.import_module", "sys.modules.get",
+                        "sys.modules.setdefault", "sys.modules.pop") and node.args:
                 return self.fold(node.args[0])
             return None
         if isinstance(node, ast.Subscript) and self.origin(node.value, depth + 1) == "sys.modules":

@@ -107,6 +107,23 @@ def test_a_flood_of_flags_is_capped_per_file():
     assert flags[-1]["kind"] == "truncated" and flags[-1]["what"].startswith("50 further flag(s)")
 
 
+def test_the_lies_are_flagged_on_their_lying_lines_and_their_honest_twins_are_not():
+    """staff/grader_selftest/lies.py: each honest bug flags nothing; each lie is flagged on the line that
+    installs it (a patch of torch's storage sizes, of the tests' collective counter reached through
+    sys.modules), and on the frames it walks."""
+    from staff.grader_selftest import lies
+    for lie in lies.LIES:
+        assert review.review_files(lies.files(lie, lying=False)) == [], lie.id
+        files = lies.files(lie, lying=True)
+        flags = {(f["file"], f["line"], f["kind"]) for f in review.review_files(files)}
+        for path, text in files.items():
+            for n, line in enumerate(text.splitlines(), start=1):
+                if any(s in line for s in ("UntypedStorage.size =", "UntypedStorage.nbytes =", "._record = ")):
+                    assert (path, n, "patch") in flags, (lie.id, n, line)
+                if "sys._getframe" in line or "f_locals" in line:
+                    assert (path, n, "frame") in flags, (lie.id, n, line)
+
+
 def test_honest_idioms_are_not_flagged():
     assert review.review_source(HONEST) == []
 
