@@ -8,7 +8,9 @@ benchmark table header of WRITEUP_TEMPLATE.md is looked up in the JSON by its ke
 interconnect, ...), and the script renders that row again from the JSON, cell by cell, as the benchmark printed it
 (the benchmarks' own cell formats: ``benchmarks/report.py``'s, ``bench_step.exposed_cell``). Every number of every
 pasted cell (the median and its min-max, the model, the error, the breakdown, the bytes, the fit, ...) must equal
-the rendered one at the precision the table prints; a cell without numbers ("yes", a note) must read the same. It
+the rendered one at the precision the table prints, and the words around them must be the benchmark's too (spacing
+aside: "profiled" is not "timed", a dropped x or % is an edit); a cell without numbers must read the same. A column
+the benchmark prints that the pasted header lacks is reported too. It
 reports each difference with its table, row and column, pasted rows the JSON does not have, and JSON rows that
 were not pasted; exit status 1 when a row differs or is unknown. A missing row is reported but is not a mismatch
 (the rubric grades it).
@@ -180,15 +182,19 @@ def numbers(cell: str) -> list[float]:
     return [float(m.group(0).replace(",", "")) for m in NUMBER.finditer(cell)]
 
 
+def words(cell: str) -> str:
+    """What a cell prints besides its numbers, spaces dropped: '31% of the profiled step' -> '#%ofthe profiled...'.
+    A word-only edit of a numeric cell ("profiled" to "timed", "over ranks" to "over rounds", a dropped x or %)
+    changes it; spacing does not."""
+    return "".join(NUMBER.sub("#", cell).split()).casefold()
+
+
 def _same(pasted: str, expected: str) -> bool:
-    """Equal at the precision the table prints: the same numbers, in order; a cell without numbers, the same words."""
+    """Equal at the precision the table prints: the same numbers, in order, and the same words around them."""
     if expected.startswith(PARTIAL):
         got = numbers(pasted)
         return bool(got) and got[0] == numbers(expected[len(PARTIAL):])[0]
-    want = numbers(expected)
-    if want:
-        return numbers(pasted) == want
-    return " ".join(pasted.split()).casefold() == " ".join(expected.split()).casefold()
+    return numbers(pasted) == numbers(expected) and words(pasted) == words(expected)
 
 
 def check(writeup: str, results: dict[str, dict]) -> tuple[list[str], list[str]]:
@@ -204,6 +210,11 @@ def check(writeup: str, results: dict[str, dict]) -> tuple[list[str], list[str]]
             problems.append(f"{kind}: {len(rows)} pasted row(s), but the submission has no {name}.json")
             continue
         expected = dict(render(results[name]))
+        printed = list(next(iter(expected.values()), {}))
+        dropped = [c for c in printed if c not in header]
+        if dropped:  # a deleted column is a changed table, not a column to skip
+            problems.append(f"{kind}: the pasted header lacks the column(s) {', '.join(repr(c) for c in dropped)} that "
+                            f"the benchmark prints (header pasted: {' | '.join(header)})")
         in_this_table = set()
         for row in rows:
             key = tuple(row[:nkey])

@@ -114,3 +114,33 @@ def test_the_issue_31_misses_are_caught():
     step = next(x for x in pasted.splitlines() if x.startswith("| FSDP | 2 | gloo"))
     pct = re.search(r"(\d+)% of the profiled step", step).group(1)
     assert caught("| FSDP | 2 | gloo", f"{pct}% of", f"{int(pct) - 10}% of", "exposed comm")
+
+
+def test_word_only_edits_and_a_deleted_column_are_caught():
+    """Issue 37: a numeric cell whose words change ("profiled" to "timed", "over ranks" to "over rounds", a dropped
+    x or %) passed, and a column deleted from a pasted table was skipped silently."""
+    check = _check_tables()
+    pasted, results = _pasted(), _results()
+    exposed = re.search(r"\| FSDP \| 2 \| [^|]+ \|[^|]+\|[^|]+\| ([^|]*profiled[^|]*) \|", pasted)
+    assert exposed, "no FSDP row with an exposed-communication cell that says 'profiled'"
+    cell = exposed.group(1)
+    edits = [cell.replace("profiled", "timed"), cell.replace("over ranks", "over rounds") if "over ranks" in cell else None]
+    vs_one = re.search(r"\| (\d+\.\d+x) \|", pasted).group(1)
+    pct = re.search(r"\| ([+-]?\d+\.\d%) \|", pasted).group(1)
+    for old, new in [(cell, e) for e in edits if e] + [(vs_one, vs_one[:-1]), (pct, pct[:-1])]:
+        problems, _ = check.check(pasted.replace(f"| {old} |", f"| {new} |", 1), results)
+        assert problems, f"{old!r} -> {new!r} passed"
+    # spacing is layout, not an edit
+    assert check.check(pasted.replace(f"| {cell} |", f"| {'  '.join(cell.split(' '))} |", 1), results)[0] == []
+    # a deleted column: header, separator and every row lose their 'model error' cell
+    lines = pasted.splitlines()
+    head = next(i for i, x in enumerate(lines) if x.startswith("| strategy | W | peak MiB |"))
+    col = [c.strip() for c in lines[head].strip("|").split("|")].index("model error")
+    i = head
+    while i < len(lines) and lines[i].startswith("|"):
+        cells = lines[i].strip().strip("|").split("|")
+        del cells[col]
+        lines[i] = "|" + "|".join(cells) + "|"
+        i += 1
+    problems, _ = check.check("\n".join(lines), results)
+    assert any("lacks the column(s) 'model error'" in p for p in problems), problems
