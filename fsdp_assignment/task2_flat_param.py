@@ -46,7 +46,7 @@ class FlatParameter:
                        backward passes without gradient sync (Task 7), until a synced backward reduces it
         module, rank, world_size, dtype, device, requires_grad: as given, or the parameters' (all agree)
 
-    The tests call the constructor and the methods below (except ``copy_into_shard``, a suggested helper).
+    The tests call the constructor and the methods below.
     """
 
     def __init__(self, module: nn.Module, param_names: list[str], rank: int, world_size: int,
@@ -102,7 +102,3 @@ class FlatParameter:
         indices of its flattened elements that lie in this rank's shard and ``at`` is where that piece starts
         inside the shard. ``(0, 0, 0)`` when no element of it lies here."""
         raise NotImplementedError("Task 2: implement FlatParameter.shard_range() in fsdp_assignment/task2_flat_param.py (see its docstring)")
-
-    def copy_into_shard(self, name: str, full: torch.Tensor) -> None:
-        """Copy the part of the full parameter ``name`` that lies in this rank's shard into ``shard``."""
-        raise NotImplementedError("Task 2: implement FlatParameter.copy_into_shard() in fsdp_assignment/task2_flat_param.py (see its docstring)")

@@ -131,7 +131,6 @@ VOCABULARY: dict[str, str] = {
     "pinned": "the pinned torch version; the CPU-offload bonus's pinned memory is its contract",
     "subclass": "Python's word (a tensor subclass such as DTensor)",
     "shard_range": "a method of Task 2's FlatParameter (Task 2's contract)",
-    "copy_into_shard": "a method of Task 2's FlatParameter (Task 2's contract)",
     "unsharded_dtype": "a keyword of Task 2's FlatParameter (Task 2's contract)",
 }
 

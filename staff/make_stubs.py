@@ -51,6 +51,7 @@ def _signature_and_docstring(lines: list[str], node: ast.FunctionDef | ast.Class
 # and helpers is the student's design (tests/staff/test_stubs.py checks that no test, adapter or benchmark
 # names one of these).
 SUGGESTED = {
+    "task2_flat_param.py": {"FlatParameter.copy_into_shard"},
     "task3_forward.py": {"wait_for_unshard", "reshard_unit", "cast_forward_inputs",
                          "ForwardHooks.pre_forward", "ForwardHooks.post_forward"},
     "task4_backward.py": {"BackwardHooks.pre_forward", "BackwardHooks.post_forward",

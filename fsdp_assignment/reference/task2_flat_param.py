@@ -49,7 +49,7 @@ class FlatParameter:
                        backward passes without gradient sync (Task 7), until a synced backward reduces it
         module, rank, world_size, dtype, device, requires_grad: as given, or the parameters' (all agree)
 
-    The tests call the constructor and the methods below (except ``copy_into_shard``, a suggested helper).
+    The tests call the constructor and the methods below.
     """
 
     def __init__(self, module: nn.Module, param_names: list[str], rank: int, world_size: int,
