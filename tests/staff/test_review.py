@@ -221,6 +221,16 @@ def test_runtime_findings_are_stored_and_printed_capped(tmp_path):
     assert len(json.dumps(runtime)) < 100_000
 
 
+def test_the_bundle_ships_every_part_of_the_review():
+    """grade.py runs the review inside the Gradescope bundle: every review_*.py module it imports must be in it
+    (else the log says "staff review failed: ModuleNotFoundError" and results.json holds no review)."""
+    from staff.autograder import build_bundle
+    parts = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "staff" / "autograder").glob("review*.py"))
+    shipped = {p for pattern in build_bundle.BUNDLE_GLOBS for p in
+               (q.relative_to(ROOT).as_posix() for q in ROOT.glob(pattern))}
+    assert [p for p in parts if p not in shipped] == [], "add them to build_bundle.BUNDLE_GLOBS"
+
+
 def test_grade_adds_the_review_through_review_py():
     """Seam 3: grade.py keeps only the call; the review (and the runtime findings) live in review.py."""
     assert not hasattr(grade, "add_staff_review") or grade.add_staff_review is review.add_staff_review
