@@ -112,9 +112,11 @@ def test_the_lies_are_flagged_on_their_lying_lines_and_their_honest_twins_are_no
     installs it (a patch of torch's storage sizes, of the tests' collective counter reached through
     sys.modules), and on the frames it walks."""
     from staff.grader_selftest import lies
-    for lie in lies.LIES:
-        assert review.review_files(lies.files(lie, lying=False)) == [], lie.id
-        files = lies.files(lie, lying=True)
+    reference = reference_student_files()
+    for lie in lies.LIES:  # the files each changes (the others are the reference's, reviewed below)
+        honest = {k: v for k, v in lies.files(lie, lying=False).items() if v != reference.get(k)}
+        assert honest and review.review_files(honest) == [], lie.id
+        files = {k: v for k, v in lies.files(lie, lying=True).items() if v != reference.get(k)}
         flags = {(f["file"], f["line"], f["kind"]) for f in review.review_files(files)}
         for path, text in files.items():
             for n, line in enumerate(text.splitlines(), start=1):
