@@ -303,3 +303,42 @@ def test_from_labels_the_design_questions_by_their_evidence(regenerate):
     mislabelled "exact bytes" and "exact counts")."""
     assert "hook_trace.py" in regenerate.NO_THRESHOLD["Q3"] and "hook_trace.py" in regenerate.NO_THRESHOLD["Q7"]
     assert "exact bytes" not in regenerate.NO_THRESHOLD["Q7"] and "trace" in regenerate.NO_THRESHOLD["Q8"]
+
+
+# ---- issue 37, M1: the design questions ask for the student's own runs; the key has one rule for hint designs ----
+DESIGN_QUESTIONS = ("Q1", "Q3", "Q5", "Q6", "Q7", "Q8")
+# What only the student's own code and runs give: the tracer's output, a printout or measurement they add, a test's
+# output on their code. Each design question's Deliverable must ask for at least one of them.
+OWN_EVIDENCE = re.compile(r"hook_trace\.py|your trace|a print you add|with a print|LiveStorageTracker|paste|"
+                          r"the test's message|its message")
+
+
+def test_each_design_question_asks_for_the_students_own_run():
+    text = TEMPLATE.read_text(encoding="utf-8")
+    for q in DESIGN_QUESTIONS:
+        block = text.split(f"**{q}.**")[1].split("\n**Q")[0].split("\n## ")[0]
+        deliverable = block.split("*Deliverable:*")[1]
+        parts = re.split(r"\([a-e]\) ", deliverable)[1:]
+        assert parts, f"{q}: no parts"
+        asking = [p for p in parts if OWN_EVIDENCE.search(p)]
+        assert asking, f"{q}: no part asks for the student's own trace, printout or test output: {deliverable[:300]}"
+    q3 = text.split("**Q3.**")[1].split("**Q4.**")[0]
+    for scenario in ("--scenario lora", "--freeze-embedding", "--scenario reentrant", "--scenario twice"):
+        assert scenario in q3, f"Q3 no longer asks for the {scenario} trace"
+    assert "--prefetch" in text.split("**Q7.**")[1].split("**Q8.**")[0]
+    assert "--mixed-precision" in text.split("**Q8.**")[1].split("## Memory")[0]
+
+
+def test_the_key_states_one_rule_for_a_design_that_follows_a_hint():
+    """key_source.md contradicted itself (the answer must agree with the code, yet text quotable from the hints
+    earned nothing): a student who followed a recipe failed one rule by obeying the other. One rule now, and the
+    template and the handout say the same."""
+    key = _flat(SOURCE.read_text(encoding="utf-8"))
+    assert ("**One rule**: a design that follows a hint earns the points when it is described with the student's own "
+            "names") in key
+    assert "could be quoted from the hints" not in key and "quotable" not in key
+    template = _flat(TEMPLATE.read_text(encoding="utf-8"))
+    assert "Following a hint is fine: describe what your code does with your names and your evidence" in template
+    assert "quoting them is not an answer about your code" not in template
+    handout = _flat((ROOT / "handout" / "writeup.typ").read_text(encoding="utf-8"))
+    assert "Following a hint is fine: described with your own names" in handout
