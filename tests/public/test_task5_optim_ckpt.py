@@ -215,9 +215,10 @@ def test_state_dicts_name_a_tied_weight_as_their_formats_say():
 
 
 # ---- A full state dict on rank 0 only, also while it is made: the kernel's count of each rank's peak -------------
-# 24 blocks of about 0.2 M parameters (4.7 M in all, about 18 MiB in fp32): the whole model's state stands far
-# above the 1-2 MiB by which an idle rank's resident memory moves, and one unit's state (what a rank other than 0
-# may hold for a moment while it takes part in the gathers) far below it.
+# 24 blocks of about 0.5 M parameters (12.5 M in all, 48 MiB in fp32): the whole model's state stands far above
+# what a rank's resident memory varies by from run to run (measured: up to 16 MiB, gloo's threads and glibc's
+# arenas), and one unit's state (what a rank other than 0 may hold for a moment while it takes part in the
+# gathers) far below it.
 RANK0_CFG = GPTConfig(n_layer=24, n_embd=208, n_head=4)
 
 
@@ -238,7 +239,8 @@ def test_full_state_dicts_live_on_rank_0_only_also_while_they_are_made():
     # The peaks are the kernel's (the witness reads each rank's VmHWM from the parent), not what a rank reports.
     world_size = 2
     witness = Witness()  # no bound of its own: the ranks' peaks are compared with each other below
-    results = run_ranks(_save_full_checkpoint, world_size, witness=witness)
+    # Rank 0 holds about 280 MiB at its peak (its shards, gradients and AdamW state, then both full dicts).
+    results = run_ranks(_save_full_checkpoint, world_size, witness=witness, memory_limit_bytes=640 << 20)
     with torch.device("meta"):
         model = GPT(RANK0_CFG)
     model_bytes = 4 * sum(p.numel() for p in model.parameters())  # fp32, tied weights once
@@ -247,11 +249,12 @@ def test_full_state_dicts_live_on_rank_0_only_also_while_they_are_made():
     assert all(got == {"model": 0, "optim": 0} for got in results[1:]), "a full state dict lives on rank 0 only"
     peaks = [m["peak_bytes"] for m in witness.measured]
     for rank in range(1, world_size):
-        # Rank 0 holds both full dicts at once (model + optimizer: 3 model's bytes); a rank that held the full
-        # optimizer state for a moment comes within one model's bytes of rank 0's peak, one that held the full
-        # model within two. Measured (reference, load 7): 3 model's bytes less about 5 MiB below rank 0's peak.
+        # Rank 0 holds both full dicts at once (model + optimizer: 3 models' bytes, 144 MiB); a rank that held the
+        # full optimizer state for a moment peaks one model's bytes below rank 0, one that held the full model two
+        # models' bytes below. Measured (load 7): the reference 126-134 MiB below rank 0's peak; the full model
+        # state built on every rank (mutant g15) 96 MiB, the full optimizer state (g14) 48 MiB.
         below = peaks[0] - peaks[rank]
-        assert below >= optim_bytes + model_bytes // 4, (
+        assert below >= optim_bytes + model_bytes // 3, (
             f"rank {rank}: the kernel saw its resident memory peak {below / 2**20:.1f} MiB below rank 0's "
             f"({peaks[rank] / 2**20:.1f} vs {peaks[0] / 2**20:.1f} MiB above their start), while rank 0 holds the "
             f"full model ({model_bytes / 2**20:.1f} MiB) and optimizer ({optim_bytes / 2**20:.1f} MiB) state dicts: "
