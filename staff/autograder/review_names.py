@@ -21,6 +21,9 @@ MODULE_KINDS = {
     "_frozen_importlib_external": "dynamic", "pkgutil": "dynamic", "runpy": "dynamic", "zipimport": "dynamic",
     "marshal": "dynamic", "_pickle": "dynamic", "copyreg": "dynamic", "code": "dynamic", "codeop": "dynamic",
     "torch.utils.cpp_extension": "native", "torch._C._dlopen": "native",
+    # Operator registrations and dispatch modes change what torch runs for every caller, the tests included.
+    "torch.library": "patch", "torch.utils._python_dispatch": "patch", "torch.overrides": "patch",
+    "atexit": "process",
     "builtins": "patch",
     "tests": "harness", "pytest": "harness", "_pytest": "harness", "conftest": "harness", "staff": "harness",
     "adapters": "harness",
@@ -38,15 +41,17 @@ DOTTED_KINDS = {
         "inspect.getouterframes", "inspect.getinnerframes", "inspect.getframeinfo", "inspect.getgeneratorlocals",
         "inspect.getcoroutinelocals", "inspect.getclosurevars", "traceback.walk_stack", "traceback.walk_tb",
         "traceback.extract_stack", "traceback.extract_tb", "traceback.format_stack", "traceback.print_stack",
-        "traceback.StackSummary", "traceback.FrameSummary"), "frame"),
+        "traceback.StackSummary", "traceback.FrameSummary", "logging.currentframe", "sys._getframemodulename"),
+        "frame"),
     # The rank audit's channel is a descriptor (tests/rank_audit.py): closing or replacing descriptors is audit.
     **dict.fromkeys(("sys.addaudithook", "sys.audit", "os.close", "os.closerange", "os.dup", "os.dup2",
-                     "os.set_inheritable", "os.umask"), "audit"),
+                     "os.set_inheritable", "os.umask", "os.write", "os.writev", "os.pwrite", "os.fdopen",
+                     "os.pipe", "os.pipe2"), "audit"),
     **dict.fromkeys(("gc.get_objects", "gc.get_referrers", "gc.get_referents", "gc.garbage", "gc.callbacks"), "gc"),
     **dict.fromkeys(("os.fork", "os.forkpty", "os.system", "os.popen", "os.posix_spawn", "os.posix_spawnp",
                      "os.register_at_fork", "os.openpty", "os.exec", "os.spawn", "os.setuid", "os.setgid",
                      "os.setreuid", "os.setresuid", "os.setresgid", "os.setgroups", "os.chroot", "os.unshare",
-                     "os.setns"), "process"),
+                     "os.setns", "sys.remote_exec", "concurrent.futures.ProcessPoolExecutor"), "process"),
     **dict.fromkeys(("os.kill", "os.killpg", "os.getppid", "os.setsid", "os.setpgid", "os.setpgrp", "os.abort",
                      "os.pidfd_open", "signal.pidfd_send_signal", "signal.pthread_kill"), "signal"),
     "os.memfd_create": "mmap", "torch.from_file": "mmap", "numpy.memmap": "mmap",
@@ -67,6 +72,7 @@ FRAME_ATTRIBUTES = {"f_back", "f_locals", "f_globals", "f_builtins", "f_code", "
                     "gi_frame", "cr_frame", "ag_frame", "__traceback__"}
 ATTRIBUTE_KINDS = {
     **dict.fromkeys(FRAME_ATTRIBUTES, "frame"), "_getframe": "frame", "_current_frames": "frame",
+    "_getframemodulename": "frame",
     "addaudithook": "audit",
     "from_file": "mmap", "memmap": "mmap", "open_memmap": "mmap", "memfd_create": "mmap",
     "share_memory_": "mmap", "_share_filename_cpu_": "mmap", "_share_fd_cpu_": "mmap",

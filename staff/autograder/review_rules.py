@@ -170,7 +170,7 @@ class Review(ast.NodeVisitor):
     def visit_Call(self, node: ast.Call) -> None:
         func = node.func
         name = self.scopes.origin(func) or ""
-        builtin = name[len("<builtin>."):] if name.startswith("<builtin>.") else ""
+        builtin = name.split(".", 1)[1] if name.startswith(("<builtin>.", "builtins.")) else ""
         args = node.args
         if builtin in ("exec", "eval", "compile", "__import__"):
             self.flag(node, "dynamic", f"{builtin}(...)")
@@ -191,7 +191,10 @@ class Review(ast.NodeVisitor):
             self.getattr_family(node, how, obj, args[1:2] if unbound else args[:1], spelt=f"{_short(func)}(...)")
         if builtin in OPEN_CALLS or name in OPEN_CALLS:
             path = args[0] if args else next((k.value for k in node.keywords if k.arg in ("file", "path")), None)
-            if path is not None and self.scopes.fold(path) is None:
+            if isinstance(path, ast.Constant) and isinstance(path.value, int):
+                self.flag(node, "audit", f"{_short(func)}({path.value}): a descriptor the rank holds (its report "
+                                         f"and audit channels are descriptors)")
+            elif path is not None and self.scopes.fold(path) is None:
                 self.flag(node, "path", f"{_short(func)}() of a path built at run time: {_short(path)}")
         if name.startswith(("os.environ.", "os.environb.")) and name.rsplit(".", 1)[1] in ENVIRON_EDITS:
             self.flag(node, "environment", name)

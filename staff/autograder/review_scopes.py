@@ -215,6 +215,10 @@ class Scopes:
             return "".join(out), True
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
             return self.partial(node.left, d)[0] + self.partial(node.right, d)[0], True
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and \
+                any(isinstance(n, ast.JoinedStr) or isinstance(n, ast.Constant) and isinstance(n.value, str)
+                    for n in (node.left, node.right)):  # Path('/') / 'proc' (a number divided is no path)
+            return posixpath.join(self.partial(node.left, d)[0], self.partial(node.right, d)[0]), True
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and isinstance(node.left, ast.Constant) \
                 and isinstance(node.left.value, str):
             args = node.right.elts if isinstance(node.right, ast.Tuple) else [node.right]
@@ -267,7 +271,8 @@ class Scopes:
         if name == "<builtin>.chr" and len(args) == 1:
             code = self.fold_int(args[0])
             return (chr(code), True) if isinstance(code, int) and 0 <= code < 0x110000 else (UNKNOWN, True)
-        if name == "<builtin>.str" and len(args) == 1:
+        if name in ("<builtin>.str", "pathlib.Path", "pathlib.PurePosixPath", "pathlib.PosixPath") and \
+                len(args) == 1:
             return self.partial(args[0], d)
         if not isinstance(func, ast.Attribute):
             return UNKNOWN, False

@@ -212,6 +212,17 @@ MORE["a path in bytes"] = ("import torch\n\nFD = open(b'/proc/self/mem', 'rb')\n
 MORE["the audit's descriptor replaced"] = (
     "import torch\nimport os\n\nos.dup2(os.open(os.devnull, os.O_WRONLY), 3)\n", {(4, "audit"), (4, "path")})
 
+MORE["builtins.setattr"] = (
+    "import torch\nimport builtins\nimport torch.distributed as dist\n\nbuiltins.setattr(dist, 'barrier', print)\n",
+    {(2, "patch"), (5, "patch")})
+MORE["a path joined with /"] = (
+    "import torch\nfrom pathlib import Path\n\nMEM = Path('/') / 'sys' / 'kernel' / 'mm'\n", {(4, "path")})
+MORE["a report forged on a descriptor"] = (
+    "import torch\n\ndef forge():\n    with open(3, 'w') as out:\n        out.write('passed')\n", {(4, "audit")})
+MORE["an operator registration"] = (
+    "import torch\n\nLIB = torch.library.Library('c10d', 'IMPL')\n", {(3, "patch")})
+MORE["an exit hook"] = ("import torch\nimport atexit\n\natexit.register(print)\n", {(2, "process")})
+
 # Honest idioms from the reference, the stubs and the staff alternatives, and ones like them: none is flagged.
 HONEST = '''\
 """Shards a module's parameters over the process group (the docs of torch.distributed.fsdp)."""
