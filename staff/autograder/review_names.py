@@ -107,7 +107,30 @@ ENVIRON_EDITS = {"update", "pop", "popitem", "setdefault", "clear", "__setitem__
 # name the tables hold (the last part of a dotted name, an attribute name): honest code builds no such name.
 DISTINCTIVE_STRINGS = (set(ATTRIBUTE_KINDS) | INTROSPECTION | {"_getframe", "settrace", "setprofile", "environb",
                                                                 "pidfd_open", "forkpty", "CDLL", "PyDLL",
-                                                                "pythonapi", "dlopen", "resolve_name"}) - CLASS_WALKS
+                                                                "pythonapi", "dlopen", "resolve_name"}) - \
+    CLASS_WALKS - {"__dict__", "__reduce__", "__reduce_ex__", "__loader__", "__spec__"}  # a class's own dict keys
+
+
+def _python_dunders() -> frozenset[str]:
+    """The dunders Python itself defines on objects, classes, functions, modules, frames, code, exceptions and
+    generators: a getattr of one of them is flagged; a submission's own ``__fsdp_state__`` is its own name."""
+    import sys
+    import types
+
+    def gen():
+        yield
+
+    samples = [object(), object, type, len, gen, gen(), sys, gen.__code__, ValueError(),
+               types.SimpleNamespace(), property(), staticmethod(len), classmethod(len), 1, "", [], {}]
+    names = {n for sample in samples for n in dir(sample) if n.startswith("__") and n.endswith("__")}
+    return frozenset(names | {"__wrapped__", "__traceback__", "__cause__", "__context__", "__all__", "__path__",
+                              "__file__", "__loader__", "__spec__", "__package__", "__builtins__", "__globals__",
+                              "__closure__", "__code__", "__defaults__", "__kwdefaults__", "__self__", "__func__",
+                              "__mro__", "__bases__", "__base__", "__subclasses__", "__weakref__", "__slots__",
+                              "__torch_function__", "__torch_dispatch__"})
+
+
+PYTHON_DUNDERS = _python_dunders()
 
 
 def _last(name: str) -> str:

@@ -29,6 +29,7 @@ import ast
 from .review_decode import shown
 from .review_names import (ATTRIBUTE_KINDS, BUILTIN_KINDS, CLASS_WALKS, DOTTED_KINDS, DUNDER_ACCESS, ENVIRON_EDITS,
                            GETATTR_FAMILY, INTROSPECTION, MODULE_KINDS, NAME_READS, OPEN_CALLS, PREFIX_KINDS,
+                           PYTHON_DUNDERS,
                            name_kind,
                            string_kind)
 from .review_scopes import CLASS, UNKNOWN, Scopes
@@ -229,8 +230,7 @@ class Review(ast.NodeVisitor):
         ctx = {"set": ast.Store(), "del": ast.Del()}.get(how, ast.Load())
         if name is not None:
             what = f"{spelt.split('(')[0]}({_short(obj)}, {name!r})"
-            if not self.attribute(node, obj, name, ctx, None, via=what) and name.startswith("__") and \
-                    name.endswith("__"):
+            if not self.attribute(node, obj, name, ctx, None, via=what) and name in PYTHON_DUNDERS:
                 self.flag(node, "introspection", what)
             return
         target = self.scopes.origin(obj)

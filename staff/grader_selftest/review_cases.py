@@ -266,6 +266,10 @@ def g(dist):
     dist.x = 1  # a parameter named like the module: not the module
 
 
+def own_dunder(module):
+    return getattr(module, "__fsdp_state__", None)  # a name of the submission's own, spelt as a dunder
+
+
 def h(module, name, tensor):
     nn.Module.__setattr__(module, name, tensor)  # past nn.Module's own __setattr__: a plain tensor attribute
     object.__setattr__(module, "_fsdp_state", None)
