@@ -21,7 +21,8 @@ Two bonus keywords, spelled as FSDP2 spells them (the required tasks never pass 
   replicates and dim 1 shards, as in FSDP2. Each unit is sharded K ways over its shard group (all-gathers
   and reduce-scatters of K ranks) and replicated over its replicate group of R ranks, across which each
   reduced gradient shard is all-reduced once per unit and step: the gradient is the mean over all R x K
-  ranks, and every replica keeps identical shards.
+  ranks, and every replica keeps identical shards. The collectives counted here are parameter traffic: one to
+  which each rank contributes at most 64 elements, such as the norm of ``clip_grad_norm_``, is not counted.
 - ``offload_policy``: ``torch.distributed.fsdp.CPUOffloadPolicy`` keeps the shards, their gradients and so
   the optimizer state on the CPU (pinned where the device allows); a unit's unsharded buffer, its full
   gradient and its collectives stay on the compute device. The copies are Tasks 3 and 4's: ``unshard``
