@@ -18,8 +18,13 @@ Narrowed for honest code (issue 36, item 3), and why:
   (a submodule from ``named_modules()``, a parameter): Task 1 and Task 2 set a module's parameters by name this
   way. The name is still flagged where it is built (a built string that makes a flagged name is a flag).
 - ``cls.__bases__[...].__name__`` (a base class's name, a string): Task 7's error messages name the user's class.
-- a literal ``getattr`` name that is not a dunder and not a flagged name (``getattr(dist, 'all_gather_single',
-  None)``: feature detection across torch versions).
+- a literal ``getattr`` name that is not a dunder Python defines and not a flagged name (``getattr(dist,
+  'all_gather_single', None)``: feature detection across torch versions; ``getattr(module, '__fsdp_state__')``:
+  the submission's own attribute).
+- ``nn.Module.__setattr__(module, name, t)``/``object.__setattr__(self, '_x', v)``: the unbound form is judged on
+  the object it is given (a plain tensor attribute set past nn.Module's own ``__setattr__``).
+- uses of a flagged module after its import (``import signal`` is flagged once, not each ``signal.SIGTERM``);
+  its flagged functions (``os.fork``) are flagged at each use.
 """
 
 from __future__ import annotations
@@ -29,9 +34,7 @@ import ast
 from .review_decode import shown
 from .review_names import (ATTRIBUTE_KINDS, BUILTIN_KINDS, CLASS_WALKS, DOTTED_KINDS, DUNDER_ACCESS, ENVIRON_EDITS,
                            GETATTR_FAMILY, INTROSPECTION, MODULE_KINDS, NAME_READS, OPEN_CALLS, PREFIX_KINDS,
-                           PYTHON_DUNDERS,
-                           name_kind,
-                           string_kind)
+                           PYTHON_DUNDERS, name_kind, string_kind)
 from .review_scopes import CLASS, UNKNOWN, Scopes
 
 CALLS_JUDGED = {"exec", "eval", "compile", "__import__", "vars", "globals"}  # visit_Call flags these calls
