@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import adapters
-from fsdp_assignment.support.models import GPT, GPTConfig, gpt_loss
+from fsdp_assignment.support.models import GPT, GPTConfig, gpt_batch, gpt_loss
 from tests.harness import run_ranks
+from tests.public.common import assert_close, check_flat_params, describe_flat_params, expected_shard, full_params_of
 from tests.public.collectives import gathered_unit, use_counted_collectives
 from tests.public.common import WITNESS_PEAK_OVERHEAD_HEAVY_BYTES, hand_shard_gpt, local_batch, witness_for
 from tests.public.invariants import check_monitor
@@ -194,3 +195,72 @@ def test_prefetch_with_activation_checkpointing():
     backward neither records the order nor prefetches."""
     check_checkpointing(run_ranks(checkpointing_run, 2, 6, True, timeout=90,
                                   witness=checkpointing_witness(2, prefetch=True)), 2, prefetch=True)
+
+
+# ---- A unit prefetched that then does not run (a problem the module docstring poses) ------------------------------
+class SkippingGPT(GPT):
+    """GPT whose blocks run in ``self.order`` (block indices; a block left out is skipped this iteration)."""
+
+    order: list[int]
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for i in self.order:
+            x = self.blocks[i](x)
+        return self.lm_head(self.ln_f(x))
+
+
+# Step 1 skips block 1, which step 0's order prefetches while block 0 computes; step 2 runs it again.
+SKIP_ORDERS = [[0, 1, 2, 3], [0, 2, 3], [0, 1, 2, 3]]
+
+
+def _skip_a_prefetched_unit(rank, world_size):
+    log = use_counted_collectives(late=True)  # a gather still in flight holds NaN and is listed as unwaited
+    torch.manual_seed(0)
+    model = SkippingGPT(CFG)
+    root = hand_shard_gpt(model, hooks=6)
+    root.shared.prefetch = True
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    unsharded, unwaited = [], []
+    for step, order in enumerate(SKIP_ORDERS):
+        model.order = order
+        mark = log.mark()
+        idx, tgt = local_batch(CFG, rank, world_size, step)
+        optim.zero_grad()
+        gpt_loss(model, idx, tgt).backward()
+        unsharded.append([i for i, u in enumerate(adapters.fsdp_units(model))
+                          if any(fp.is_unsharded() for fp in u.flat_params)])
+        unwaited.append([(c["kind"], c["numel"]) for c in log.unwaited(mark)])
+        optim.step()
+    return {"unsharded": unsharded, "unwaited": unwaited, "flat": describe_flat_params(model)}
+
+
+def test_a_prefetched_unit_that_does_not_run_is_waited_on_and_freed():
+    world_size = 2
+    results = run_ranks(_skip_a_prefetched_unit, world_size)
+    torch.manual_seed(0)
+    expected = SkippingGPT(CFG)
+    optim = torch.optim.SGD(expected.parameters(), lr=0.1)
+    for step, order in enumerate(SKIP_ORDERS):
+        expected.order = order
+        idx, tgt = gpt_batch(CFG, 2 * world_size, seed=step)
+        optim.zero_grad()
+        gpt_loss(expected, idx, tgt).backward()
+        optim.step()
+    full = full_params_of(expected)
+    for rank, got in enumerate(results):
+        for step, order in enumerate(SKIP_ORDERS):
+            where = f"rank {rank}, step {step} (blocks run: {order}, the previous forward's: {SKIP_ORDERS[step - 1]})"
+            assert got["unwaited"][step] == [], (
+                f"{where}: asynchronous collectives never waited on when backward returned: {got['unwaited'][step]}. "
+                f"A unit prefetched that then did not run is freed by the end of backward, its all-gather waited on "
+                f"first: on a GPU the gather may still be writing into the buffer")
+            assert got["unsharded"][step] == [], (
+                f"{where}: units {got['unsharded'][step]} (in fsdp_units order) still unsharded after backward; a "
+                f"unit prefetched that then did not run must be resharded too")
+        check_flat_params(got["flat"], expected, GPT_UNITS, f"rank {rank}")
+        for desc in got["flat"]:
+            assert_close(desc["shard"], expected_shard(desc, full), (
+                f"rank {rank}: unit '{desc['prefix'] or '<root>'}' after {len(SKIP_ORDERS)} SGD steps with block 1 "
+                f"skipped in the second: a prefetched gather must never serve parameters of an earlier step"))
