@@ -142,7 +142,7 @@ def read_runtime(path: Path) -> tuple[list[dict], list[str]]:
         with open(path, "rb") as fh:
             data = fh.read(MAX_AUDIT_BYTES + 1)
     except FileNotFoundError:
-        return [], [f"no runtime findings (no audit log {path.name} was written)"]
+        return [], [f"no runtime findings (no {path.name}: the ranks' audit reported nothing, or did not run)"]
     except OSError as err:
         return [], [f"no runtime findings (the audit log {path.name} could not be read: {err.strerror or err})"]
     notes = [f"the audit log is larger than {MAX_AUDIT_BYTES >> 20} MiB: only its start was read"] \
@@ -189,6 +189,11 @@ def add_staff_review(tree: Path, results: Path, say, audit_log: Path | None = No
         files = {rel: (tree / rel).read_bytes()[:MAX_SUBMITTED_FILE_BYTES] for rel in task_files(tree)}
         flags = review_files(files)
         runtime, notes = read_runtime(audit_log or results.parent / "audit.jsonl")
+        decoded = {rel: Decoded(data).lines for rel, data in files.items()}
+        for f in runtime:  # the line as Python ran it, as the static flags show it (a coding cookie changes it)
+            lines = decoded.get(f["file"])
+            if lines and 0 < f["line"] <= len(lines):
+                f["code"] = shown(lines[f["line"] - 1])
         lines = format_flags(flags).split("\n")
         if runtime:
             lines.append(f"staff review: the runtime audit reported {len(runtime)} finding(s) (never shown to "

@@ -202,9 +202,10 @@ def test_runtime_findings_are_stored_and_printed_capped(tmp_path):
     staff_review.runtime and printed like static flags; repeats are merged with a count, a flood is capped at
     MAX_RUNTIME_FINDINGS, and a line that is not a finding is counted, not trusted."""
     tree, results = _graded_tree(tmp_path)
-    event = {"file": "fsdp_assignment/task3_forward.py", "line": 7, "kind": "frame", "what": "sys._getframe",
-             "code": "f = sys._getframe(1)", "test": "tests/public/test_task3_forward.py::test_x", "rank": 1,
-             "source": "runtime"}
+    (tree / "fsdp_assignment" / "task3_forward.py").write_bytes(
+        b"# -*- coding: utf-7 -*-\nimport torch\n# x+AAo-import sys+AAo-import ctypes\n\n\nf = sys._getframe(1)\n")
+    event = {"file": "fsdp_assignment/task3_forward.py", "line": 8, "kind": "frame", "what": "sys._getframe",
+             "code": "", "test": "tests/public/test_task3_forward.py::test_x", "rank": 1, "source": "runtime"}
     flood = [dict(event, line=1000 + i, what=f"open /proc/{i}\u202e") for i in range(3 * review.MAX_RUNTIME_FINDINGS)]
     lines = [json.dumps(event)] * 5 + ["not json", "[1, 2]"] + [json.dumps(f) for f in flood]
     (results.parent / "audit.jsonl").write_text("\n".join(lines) + "\n")
@@ -213,10 +214,11 @@ def test_runtime_findings_are_stored_and_printed_capped(tmp_path):
     runtime = json.loads(results.read_text())["extra_data"]["staff_review"]["runtime"]
     assert len(runtime) == review.MAX_RUNTIME_FINDINGS
     first = runtime[0]
-    assert (first["line"], first["kind"], first["count"], first["rank"], first["source"]) == (7, "frame", 5, 1,
+    assert (first["line"], first["kind"], first["count"], first["rank"], first["source"]) == (8, "frame", 5, 1,
                                                                                               "runtime")
     assert all("\u202e" not in f["what"] for f in runtime)  # shown escaped: the log cannot be reordered
-    assert ("grade:   fsdp_assignment/task3_forward.py:7: frame: sys._getframe  |  f = sys._getframe(1)  "
+    # the code is Python's line 8 (the file shows it on line 6): read as the static review reads it
+    assert ("grade:   fsdp_assignment/task3_forward.py:8: frame: sys._getframe  |  f = sys._getframe(1)  "
             "(runtime: tests/public/test_task3_forward.py::test_x, rank 1, 5 times)") in said
     assert any(f"{2 * review.MAX_RUNTIME_FINDINGS + 1} further runtime event(s)" in line for line in said)
     assert any("2 line(s) of the audit log were not findings" in line for line in said)
