@@ -260,7 +260,8 @@ def _hsdp_witness(world_size: int, meshes: int):
     (an all-reduce moves twice a reduce-scatter's bytes; FSDP2's reduce-scatter is one on gloo), state dicts and
     a resumed step: at most 30 moves of every unit's elements a mesh. (_check_communication decides the bytes
     exactly from the counted collectives; this bounds what the kernel saw leave each rank.)"""
-    return witness_for(lambda: GPT(CFG), GPT_UNITS, world_size, models=4, overhead_bytes=WITNESS_PEAK_OVERHEAD_HEAVY_BYTES,
+    return witness_for(lambda: GPT(CFG), GPT_UNITS, world_size, models=4,
+                       overhead_bytes=WITNESS_PEAK_OVERHEAD_HEAVY_BYTES,
                        moved=30 * meshes)
 
 

@@ -64,7 +64,8 @@ def _optimizer_state(rank, world_size):
 @pytest.mark.evidence("bytes", "memory")
 def test_optimizer_state_is_sharded_and_one_adamw_step_matches(world_size):
     # One AdamW step (two states on the shards) and a full state dict gathered on rank 0 (up to a whole model there).
-    witness = witness_for(lambda: GPT(CFG), GPT_UNITS, world_size, models=2, overhead_bytes=WITNESS_PEAK_OVERHEAD_HEAVY_BYTES,
+    witness = witness_for(lambda: GPT(CFG), GPT_UNITS, world_size, models=2,
+                          overhead_bytes=WITNESS_PEAK_OVERHEAD_HEAVY_BYTES,
                           moved=3 + 1)
     results = run_ranks(_optimizer_state, world_size, witness=witness)
     expected = train_single_process(CFG, world_size, 1, torch.optim.AdamW, lr=1e-2, eps=ADAM_EPS)

@@ -241,7 +241,8 @@ def test_every_test_that_decides_memory_or_bytes_is_witnessed_on_its_own_run():
                  if not calls or any(not any(k.arg == "witness" for k in c.keywords) for c in calls)}
     assert unwatched == NOT_YET_WITNESSED == set(), (
         f"graded tests deciding memory or bytes whose runs the kernel does not watch (each run_ranks call needs "
-        f"witness=Witness(...) with the test's own bound, tests/public/common.py's witness_bounds): {sorted(unwatched)}")
+        f"witness=Witness(...) with the test's own bound, tests/public/common.py's witness_bounds): "
+        f"{sorted(unwatched)}")
     retired = [p.name for d in ("public", "hidden") for p in (ROOT / "tests" / d).glob("test_*.py")
                if "pytest.mark.witnessed" in p.read_text()]
     assert not retired, f"the witnessed(twins=...) marker is retired (every evidence test is witnessed): {retired}"
