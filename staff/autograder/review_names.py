@@ -23,7 +23,7 @@ MODULE_KINDS = {
     "torch.utils.cpp_extension": "native", "torch._C._dlopen": "native",
     # Operator registrations and dispatch modes change what torch runs for every caller, the tests included.
     "torch.library": "patch", "torch.utils._python_dispatch": "patch", "torch.overrides": "patch",
-    "atexit": "process",
+    "atexit": "process", "unittest.mock": "patch",
     "builtins": "patch",
     "tests": "harness", "pytest": "harness", "_pytest": "harness", "conftest": "harness", "staff": "harness",
     "adapters": "harness",
@@ -144,8 +144,11 @@ BUILT_NAME_KINDS = {**{_last(k): v for k, v in DOTTED_KINDS.items()}, **ATTRIBUT
                     "import_module": "dynamic", "exec": "dynamic", "eval": "dynamic", "compile": "dynamic"}
 # A path into the machine's shared places, as a string, however it was built: /proc, /sys (cgroups), /dev
 # (shm, mem), /tmp, or a bare "proc"/"shm" to be joined to one.
-PATH_WORDS = ("proc", "shm", "dev", "sys", "tmp", "cgroup")
-PATH_PATTERN = re.compile(r"(^|/)(proc|shm)(/|$)|(^|/)dev/|/dev$|/sys(/|$)|^sys/|/tmp(/|$)|^tmp/|cgroup")
+# Also any absolute path or ".." (the rank's own folder is its working directory and TMPDIR), and the grader's
+# own files by name.
+PATH_WORDS = ("proc", "shm", "dev", "sys", "tmp", "cgroup", "/", "results.json", "audit.jsonl")
+PATH_PATTERN = re.compile(r"(^|/)(proc|shm)(/|$)|(^|/)dev/|/dev$|/sys(/|$)|^sys/|/tmp(/|$)|^tmp/|cgroup|"
+                          r"^/[\w.~-]|(^|/)\.\.(/|$)|results\.json|audit\.jsonl")
 
 
 def name_kind(dotted: str) -> str | None:

@@ -26,6 +26,16 @@ STR_METHODS = {"replace", "upper", "lower", "strip", "lstrip", "rstrip", "remove
                "swapcase", "title", "capitalize", "casefold", "zfill", "center", "ljust", "rjust"}
 
 
+def _own_nodes(function: ast.AST):
+    """The nodes of a function's body, not those of the functions and classes defined in it."""
+    stack = list(function.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(c for c in ast.iter_child_nodes(node)
+                     if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)))
+
+
 class Scope:
     __slots__ = ("kind", "parent", "bindings", "declared_global")
 
@@ -55,7 +65,9 @@ class Scopes:
             node._rv_parent, node._rv_scope = parent, scope
             inner = scope
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
-                if not isinstance(node, ast.Lambda):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    self._bind(scope, node.name, ("def", node))  # what it returns is followed (def m(): return dist)
+                elif isinstance(node, ast.ClassDef):
                     self._bind(scope, node.name, ("other",))
                 inner = Scope("class" if isinstance(node, ast.ClassDef) else "function", scope)
                 if not isinstance(node, ast.ClassDef):
@@ -96,6 +108,9 @@ class Scopes:
                     isinstance(node.iter, (ast.List, ast.Tuple, ast.Set)):
                 for element in node.iter.elts:  # for m in (dist, torch.Tensor): m.x = f
                     self._bind_target(scope, node.target, element)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and \
+                    len(node.args) == 3 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                self.attributes.setdefault(node.args[1].value, []).append(node.args[2])  # setattr(self, 'd', dist)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) and \
                     not getattr(node, "_rv_bound", False):
                 self._bind(scope, node.id, ("other",))
@@ -106,6 +121,8 @@ class Scopes:
         if isinstance(target, ast.Name):
             self._bind(scope, target.id, ("value", value))
             target._rv_bound = True
+            if scope.kind == "class":  # class C: d = torch.distributed -- C.d and self.d hold it
+                self.attributes.setdefault(target.id, []).append(value)
         elif isinstance(target, ast.Attribute):  # self.d = torch.distributed: any .d may hold it
             self.attributes.setdefault(target.attr, []).append(value)
         elif isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)) and \
@@ -137,7 +154,7 @@ class Scopes:
             bindings = self.lookup(node.id, node._rv_scope)
             if bindings is None:  # a builtin, or a name from outside (a star import): taken for a module
                 return f"<builtin>.{node.id}" if node.id in BUILTINS else node.id
-            for how in bindings:
+            for how in bindings:  # a function ("def") is not itself a module: calling it is (below)
                 found = how[1] if how[0] == "import" else \
                     self.origin(how[1], depth + 1) if how[0] == "value" else None
                 if found:
@@ -161,7 +178,7 @@ class Scopes:
             if func in ("<builtin>.__import__", "importlib.import_module", "sys.modules.get",
                         "sys.modules.setdefault", "sys.modules.pop") and node.args:
                 return self.fold(node.args[0])
-            return None
+            return self._returned(node.func, depth + 1)
         if isinstance(node, ast.Subscript) and self.origin(node.value, depth + 1) == "sys.modules":
             return self.fold(node.slice)
         if isinstance(node, ast.Subscript) and isinstance(node.value, (ast.Tuple, ast.List, ast.Dict)):
@@ -172,6 +189,22 @@ class Scopes:
             return next(filter(None, (self.origin(v, depth + 1) for v in node.values)), None)
         if isinstance(node, ast.IfExp):
             return self.origin(node.body, depth + 1) or self.origin(node.orelse, depth + 1)
+        return None
+
+    def _returned(self, func: ast.AST, depth: int) -> str | None:
+        """What a call of the file's own function or lambda returns, when that is a module or an attribute of one
+        (``def m(): return dist`` makes ``m().all_reduce = f`` a patch)."""
+        if isinstance(func, ast.Lambda):
+            return self.origin(func.body, depth + 1)
+        if not isinstance(func, ast.Name):
+            return None
+        for how in self.lookup(func.id, func._rv_scope) or ():
+            if how[0] == "def":
+                for sub in _own_nodes(how[1]):
+                    if isinstance(sub, ast.Return) and sub.value is not None:
+                        found = self.origin(sub.value, depth + 1)
+                        if found:
+                            return found
         return None
 
     def tracked(self, node: ast.AST) -> bool:

@@ -223,6 +223,21 @@ MORE["an operator registration"] = (
     "import torch\n\nLIB = torch.library.Library('c10d', 'IMPL')\n", {(3, "patch")})
 MORE["an exit hook"] = ("import torch\nimport atexit\n\natexit.register(print)\n", {(2, "process")})
 
+MORE["a module returned by a function"] = (
+    "import torch\nimport torch.distributed as dist\n\ndef m():\n    return dist\n\nm().barrier = print\n",
+    {(7, "patch")})
+MORE["a module held by a class"] = (
+    "import torch\n\nclass C:\n    d = torch.distributed\n\nC.d.barrier = print\n", {(6, "patch")})
+MORE["a module set with setattr, patched later"] = (
+    "import torch\n\ndef keep(obj):\n    setattr(obj, 'd', torch.distributed)\n    obj.d.barrier = print\n",
+    {(5, "patch")})
+MORE["unittest.mock.patch"] = (
+    "import torch\nfrom unittest import mock\n\nP = mock.patch('torch.distributed.all_reduce', print)\n",
+    {(2, "patch")})
+MORE["the grader's results by a relative path"] = (
+    "import torch\n\nwith open('../../results/results.json', 'w') as f:\n    f.write('{}')\n", {(3, "path")})
+MORE["an absolute path"] = ("import torch\n\nLOG = '/autograder/results/log'\n", {(3, "path")})
+
 # Honest idioms from the reference, the stubs and the staff alternatives, and ones like them: none is flagged.
 HONEST = '''\
 """Shards a module's parameters over the process group (the docs of torch.distributed.fsdp)."""
