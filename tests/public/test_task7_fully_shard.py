@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import adapters
@@ -446,3 +447,65 @@ def test_meta_init_then_training_matches_eager():
     expected = train_single_process(CFG, 2, 2, torch.optim.SGD, seed=7, **SGD)
     for name, p in expected.named_parameters():
         assert_close(got[name], p, f"{name}: meta init + fully_shard + 2 steps vs eager")
+
+
+# ---- A frozen weight tied across two units is refused as a trainable one is (the module docstring's rule) ---------
+def _frozen_tie_across_units(rank, world_size):
+    def frozen(pick):  # freeze the tied weight (head.weight too: one Parameter), then pick the first unit
+        def first(model):
+            model.embed.weight.requires_grad_(False)
+            return pick(model)
+        return first
+    embed, head, root = (lambda m: m.embed), (lambda m: m.head), (lambda m: m)
+    return {"embed, then head": tie_rejection(frozen(embed), head),
+            "head, then embed": tie_rejection(frozen(head), embed),
+            "embed, then the root": tie_rejection(frozen(embed), root)}
+
+
+def test_a_frozen_weight_tied_across_units_is_rejected():
+    # TiedModel with its tied weight frozen: sharding it in two units unties it just as a trainable one.
+    for rank, got in enumerate(run_ranks(_frozen_tie_across_units, 2)):
+        for arrangement, message in got.items():
+            assert message is not None, (
+                f"rank {rank}: fully_shard on TiedModel's {arrangement} with the tied weight (head.weight is "
+                f"embed.weight) frozen must raise ValueError: a parameter already flattened by another unit, "
+                f"trainable or frozen, cannot be sharded again")
+
+
+# ---- Mixed precision casts keyword inputs as it casts positional ones ----------------------------------------------
+class KeywordInputs(nn.Module):
+    """Records the dtypes its forward receives: a positional input and keyword inputs, one of them nested."""
+
+    def __init__(self, dim: int = 7):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.seen: list[dict] = []
+
+    def forward(self, x, *, scale, extra):
+        self.seen.append({"x": str(x.dtype), "scale": str(scale.dtype), "extra.shift": str(extra["shift"].dtype),
+                          "extra.index": str(extra["index"].dtype)})
+        return self.lin(x) * scale + extra["shift"]
+
+
+def _keyword_inputs(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(KeywordInputs(), KeywordInputs())
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model:
+        adapters.fully_shard(block, mixed_precision=policy)
+    adapters.fully_shard(model, mixed_precision=policy)
+    x, scale, shift = torch.randn(3, 7), torch.rand(7), torch.randn(7)
+    h = model[0](x, scale=scale, extra={"shift": shift, "index": torch.arange(7)})
+    model[1](h, scale=scale, extra={"shift": shift, "index": torch.arange(7)}).float().sum().backward()
+    return [block.seen for block in model]
+
+
+def test_mixed_precision_casts_keyword_inputs():
+    expected = {"x": "torch.bfloat16", "scale": "torch.bfloat16", "extra.shift": "torch.bfloat16",
+                "extra.index": "torch.int64"}
+    for rank, got in enumerate(run_ranks(_keyword_inputs, 2)):
+        for i, seen in enumerate(got):
+            assert seen == [expected], (
+                f"rank {rank}: unit {i}'s forward received inputs of dtypes {seen}; with param_dtype=bf16 every "
+                f"floating-point input, positional or keyword (nested ones included), reaches the forward in bf16 "
+                f"and other tensors unchanged: {expected}")
