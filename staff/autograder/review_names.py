@@ -59,6 +59,9 @@ DOTTED_KINDS = {
     "torch.ops.load_library": "native", "torch.classes.load_library": "native",
     "os.putenv": "environment", "os.unsetenv": "environment", "os.environb": "environment",
     "sys.modules": "sys.modules",
+    # The import machinery: what a later import (a test's, the harness's) finds.
+    "sys.meta_path": "dynamic", "sys.path_hooks": "dynamic", "sys.path_importer_cache": "dynamic",
+    "os.chdir": "path", "os.fchdir": "path",
     "pickle.loads": "dynamic", "pickle.load": "dynamic", "pickle.Unpickler": "dynamic",
     "marshal.loads": "dynamic", "marshal.load": "dynamic", "types.FunctionType": "dynamic",
     "types.LambdaType": "dynamic", "types.CodeType": "dynamic", "pkgutil.resolve_name": "dynamic",

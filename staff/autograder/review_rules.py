@@ -30,6 +30,7 @@ Narrowed for honest code (issue 36, item 3), and why:
 from __future__ import annotations
 
 import ast
+import re
 
 from .review_decode import shown
 from .review_names import (ATTRIBUTE_KINDS, BUILTIN_KINDS, CLASS_WALKS, DOTTED_KINDS, DUNDER_ACCESS, ENVIRON_EDITS,
@@ -37,6 +38,8 @@ from .review_names import (ATTRIBUTE_KINDS, BUILTIN_KINDS, CLASS_WALKS, DOTTED_K
                            PYTHON_DUNDERS, name_kind, string_kind)
 from .review_scopes import CLASS, UNKNOWN, Scopes
 
+PATH_EDITS = {"insert", "append", "extend", "remove", "pop", "clear", "__setitem__", "__delitem__", "__iadd__"}
+TERMINAL_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x9b]")  # ESC, CR, ... (a tab or a newline is text)
 CALLS_JUDGED = {"exec", "eval", "compile", "__import__", "vars", "globals"}  # visit_Call flags these calls
 STRING_OPS = (ast.JoinedStr, ast.BinOp, ast.Call, ast.Subscript, ast.FormattedValue)
 
@@ -202,6 +205,8 @@ class Review(ast.NodeVisitor):
                 self.flag(node, "path", f"{_short(func)}() of a path built at run time: {_short(path)}")
         if name.startswith(("os.environ.", "os.environb.")) and name.rsplit(".", 1)[1] in ENVIRON_EDITS:
             self.flag(node, "environment", name)
+        if name.startswith("sys.path.") and name.rsplit(".", 1)[1] in PATH_EDITS:
+            self.flag(node, "dynamic", f"{name}(...): what later imports find (a test's, the harness's)")
         if name == "torch.from_file" or (isinstance(func, ast.Attribute) and func.attr == "from_file"):
             shared = any(k.arg == "shared" for k in node.keywords) or len(args) >= 2
             self.flag(node, "mmap", f"{_short(func)}(...{', shared=...' if shared else ''}): a tensor mapped "
@@ -252,6 +257,8 @@ class Review(ast.NodeVisitor):
         if isinstance(node.ctx, (ast.Store, ast.Del)) and self.resolved(node.value) in ("os.environ",
                                                                                           "os.environb"):
             self.flag(node, "environment", f"{self.resolved(node.value)}[...] edited")
+        if isinstance(node.ctx, (ast.Store, ast.Del)) and self.resolved(node.value) == "sys.path":
+            self.flag(node, "dynamic", "sys.path[...] edited: what later imports find")
         self.string_expression(node)
         self.generic_visit(node)
 
@@ -262,6 +269,9 @@ class Review(ast.NodeVisitor):
             kind = string_kind(text, built=False)
             if kind:
                 self.flag(node, kind, repr(node.value[:60]))
+            if isinstance(node.value, str) and TERMINAL_CONTROLS.search(node.value):
+                self.flag(node, "display", f"a string with terminal controls ({node.value[:40]!r}): printed, it "
+                                           f"can rewrite what a log or a terminal shows")
 
     def visit_JoinedStr(self, node: ast.JoinedStr) -> None:
         self.string_expression(node)

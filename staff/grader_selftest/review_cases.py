@@ -238,6 +238,13 @@ MORE["the grader's results by a relative path"] = (
     "import torch\n\nwith open('../../results/results.json', 'w') as f:\n    f.write('{}')\n", {(3, "path")})
 MORE["an absolute path"] = ("import torch\n\nLOG = '/autograder/results/log'\n", {(3, "path")})
 
+MORE["sys.path edited"] = (
+    "import torch\nimport os\nimport sys\n\nsys.path.insert(0, os.getcwd())\nsys.path[:] = ['/tmp']\n",
+    {(5, "dynamic"), (6, "dynamic"), (6, "path")})
+MORE["an import hook"] = ("import torch\nimport sys\n\nsys.meta_path.insert(0, object())\n", {(4, "dynamic")})
+MORE["terminal escapes in a message"] = (
+    "import torch\n\ndef fail():\n    raise RuntimeError('x\\x1b[2K\\x1b[32m PASSED\\r1 passed')\n", {(4, "display")})
+
 # Honest idioms from the reference, the stubs and the staff alternatives, and ones like them: none is flagged.
 HONEST = '''\
 """Shards a module's parameters over the process group (the docs of torch.distributed.fsdp)."""
