@@ -15,7 +15,8 @@ flag carries Python's line number and the code Python runs there. A file in anot
 Python cannot decode, is flagged (``encoding``), as is each line such a decoding makes that the file does not show
 (UTF-7's ``+AAo-`` is a newline inside what reads as a comment), and any character that displays differently from
 what runs (``display``: bidirectional controls, zero-width and other invisible characters, U+2028/2029, a form feed,
-vertical tab or lone carriage return inside a line, identifiers Python folds by NFKC such as ``ｓｙｓ``).
+vertical tab or lone carriage return inside a line, identifiers Python folds by NFKC such as ``ｓｙｓ``, string
+literals holding terminal controls).
 
 What is flagged (each a ``kind``): ``frame`` (frame or stack inspection, tracing hooks, tracebacks), ``audit``
 (``sys.addaudithook``, ``sys.audit``; ``os.close``, ``os.dup2``, ``fcntl``: the rank audit's channel is a
@@ -31,8 +32,8 @@ through getattr), ``sys.modules``, ``signal`` (signals, ``os.kill``, pidfds, the
 ``process`` (``os.fork``, ``subprocess``, ``multiprocessing``, ``exec*``/``spawn*``, ``posix_spawn``),
 ``harness`` (``tests``, ``pytest``, ``staff``, ``adapters``, ``conftest``), ``dynamic`` (``exec``, ``eval``,
 ``compile``, ``__import__``, ``importlib``, ``pkgutil``, ``marshal``, ``pickle.loads``, ``types.FunctionType``,
-``copyreg``, and ``getattr``/``setattr``/``hasattr`` with a name built at run time, or held in a variable on a
-module or a class: code this review cannot read), ``socket``, ``environment`` (edits of ``os.environ``,
+``copyreg``, ``sys.path``/``sys.meta_path`` edits, and ``getattr``/``setattr``/``hasattr`` with a name built
+at run time, or held in a variable on a module or a class: code this review cannot read), ``socket``, ``environment`` (edits of ``os.environ``,
 ``os.environb``, ``putenv``), ``resource`` (rlimits), ``unreadable`` (Python cannot parse it), ``truncated``
 (more than MAX_FLAGS_PER_FILE flags in a file: the rest are counted). A name is judged however it is spelt:
 ``os.fork``, ``posix.fork``, ``from os import fork as f``, ``getattr(os, 'fo' + 'rk')`` are one name (aliases are
