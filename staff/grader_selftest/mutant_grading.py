@@ -125,13 +125,21 @@ def select_args(names: list[str]) -> list[str]:
     return ["-k", " or ".join(dict.fromkeys(names))]
 
 
+def public_test_files(root: Path = ROOT) -> list[str]:
+    """The public test files (``tests/public/test_*.py``), relative to a grading tree's root."""
+    return sorted(str(p.relative_to(root)) for p in (root / "tests" / "public").glob("test_*.py"))
+
+
 def grade_mutant(files: dict[str, str], workdir: Path, name: str, pytest_args: list[str], *, timeout: float = 600,
-                 timeout_cap: float = 45, root: Path = ROOT) -> Verdict:
+                 timeout_cap: float = 45, root: Path = ROOT, public_only: bool = False) -> Verdict:
     """Stage ``files`` as a student's submission and grade it with ``-x`` and ``pytest_args`` (the selection and
-    order: ``select_args``, ``--grade-first-task``, ``--grade-first``). The rule is the module docstring's."""
+    order: ``select_args``, ``--grade-first-task``, ``--grade-first``). The rule is the module docstring's.
+    ``public_only``: the tree has no hidden tests (what a student can run), so only public tests can kill."""
     start = time.monotonic()
     tree = workdir / name
     stage_tree(tree, files, root)
+    if public_only:
+        shutil.rmtree(tree / "tests" / "hidden")
     results = workdir / f"{name}.json"
     cmd = grade.command("--results", str(results), "--rank-user", "none", "--timeout", f"{timeout:g}",
                         "--timeout-cap", f"{timeout_cap:g}", "--", "-x", *pytest_args)

@@ -1,15 +1,20 @@
 """Mutation self-test: seeded single-point bugs of the reference that the public + hidden suite must catch.
 
-    python -m staff.grader_selftest.mutations                 # every mutant, 2 workers; exit 1 below the kill rate
+    python -m staff.grader_selftest.mutations                 # every mutant, 2 workers; exit 1 below the kill rates
     python -m staff.grader_selftest.mutations --only m11 m15  # some of them
     python -m staff.grader_selftest.mutations --list          # what each one seeds
 
 Each mutant is one edit (``old`` -> ``new``, ``old`` must occur exactly once) of one reference task file. For a
 mutant, the seven reference task files are rewritten in the students' layout (``from ..support`` ->
 ``from .support``), the edit is applied, and they are installed as the student files of a fresh grading tree
-(the bundle's tree, ``build_bundle.stage``). The grading command then runs the public and hidden tests with
-``-x``, the mutated task's tests first (and first of all the hidden test written for this bug, if any). The
-mutant is killed when a test fails; the first failing test is its killer.
+(the bundle's tree, ``build_bundle.stage``) and graded by the grading command with ``-x`` (``run_mutant``: first
+the hidden test written for this bug, if any; then the public tests alone, in a tree without the hidden ones;
+then, if it survived them, the hidden tests). The mutant is killed when a test fails; the first failing test is
+its killer.
+
+The report gives two rates: the whole suite's (public + hidden: every mutant must be killed) and the **public
+suite's own** (killed by at least one public test / all mutants graded; goal PUBLIC_KILL_RATE_GOAL), with the
+mutants that only the hidden tests kill: bugs a student meets only in the grade (issue 37).
 
 The list covers every bug named in the autograder issue (``issue_bug``) and more. ``target`` names the hidden
 test meant to catch a bug that the public tests miss: that test runs first, so the report shows whether it
@@ -32,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 KILL_RATE_REQUIRED = 1.0  # every mutant killed (issue 13)
+PUBLIC_KILL_RATE_GOAL = 0.85  # killed by a public test (issue 37): the public suite meets the student where the bugs are
 
 from staff.grader_selftest import mutant_grading  # the grading path both mutation systems share
 from staff.grader_selftest.mutant_grading import (TASK_FILES, reference_student_files, stage_tree,  # noqa: F401
@@ -132,40 +138,67 @@ def mutated_files(mutant: Mutant, root: Path = ROOT) -> dict[str, str]:
 class Outcome:
     mutant: Mutant
     killed: bool
-    killer: str          # the first failing test's name ("" when it survived)
+    killer: str          # the first failing test's name ("" when it survived): its target's, else a public test's
     seconds: float
     detail: str = ""     # the killer's output, first lines; or why nothing failed
     tests: int = 0       # how many tests were graded (all runs together)
+    public_killer: str = ""  # the public test that killed it, in a tree without the hidden tests ("" when none did)
+
+    @property
+    def public_killed(self) -> bool:
+        return bool(self.public_killer)
 
 
-def tests_for(mutant: Mutant, root: Path = ROOT) -> list[str]:
+def tests_for(mutant: Mutant, root: Path = ROOT, *, public: bool = False) -> list[str]:
     """The names of the graded tests that call a function the mutant edits (test_times.json), its target among them; empty
-    when no traced test calls it (module-level code, a function added since the times were measured)."""
+    when no traced test calls it (module-level code, a function added since the times were measured). ``public``:
+    the public ones only, without the target."""
     name = TASK_FILES[mutant.task]
     source = reference_student_files(root)[f"fsdp_assignment/{name}"]
     calling = mutant_grading.tests_calling(name, mutant_grading.functions_edited(source, mutant.old))
-    names = [nodeid.split("::", 1)[1] for nodeid, _ in calling]
-    if names and mutant.target:
+    names = [nodeid.split("::", 1)[1] for nodeid, _ in calling if not public or nodeid.startswith("tests/public/")]
+    if names and mutant.target and not public:
         names.append(mutant.target)  # the target always runs (first), traced calls or not
     return names
 
 
+def runs_for(mutant: Mutant, root: Path = ROOT) -> list[tuple[str, list[str], bool]]:
+    """The grading runs of one mutant, in order: (name, pytest arguments, public only). Each runs with -x:
+    - "target": its target (the hidden test written for it) alone, when it has one: shown to do its job;
+    - "public-calling": the public tests that call a function it edits, in a tree without the hidden tests;
+    - "public": every public test, same tree (only when "public-calling" let it through, or selected nothing);
+    - "hidden": the hidden tests, the public test files left out (they just passed), its target first (only when
+      nothing killed it yet): a survivor has survived the whole suite."""
+    order = ["--grade-first-task", str(mutant.task)]
+    calling = tests_for(mutant, root, public=True)
+    runs = [("target", mutant_grading.select_args([mutant.target]), False)] if mutant.target else []
+    if calling:
+        runs.append(("public-calling", [*mutant_grading.select_args(calling), *order], True))
+    runs.append(("public", order, True))
+    ignore = [f"--ignore={f}" for f in mutant_grading.public_test_files(root)]
+    runs.append(("hidden", [*ignore, *order, *(["--grade-first", mutant.target] if mutant.target else [])], False))
+    return runs
+
+
 def run_mutant(mutant: Mutant, workdir: Path, root: Path = ROOT) -> Outcome:
-    """Grade with -x, the mutated task's tests first and its target first of all: first only the tests that call
-    the function it edits, then, if it survived those (or no traced test calls it), the whole suite, as before
-    that selection: a survivor is always one of the whole suite."""
+    """Grade one mutant by ``runs_for``'s runs: its target; then the public suite alone (which decides the public
+    kill rate); then, if nothing killed it, the hidden tests. The killer is the target when it killed it, else
+    the first public test that did, else the hidden test that did."""
     files = mutated_files(mutant, root)
-    order = ["--grade-first-task", str(mutant.task)] + (["--grade-first", mutant.target] if mutant.target else [])
     seconds = graded = 0
-    calling = tests_for(mutant, root)
-    for run, selection in (("calling", mutant_grading.select_args(calling) if calling else None), ("all", [])):
-        if selection is None:
+    killer = detail = public_killer = ""
+    for run, args, public_only in runs_for(mutant, root):
+        if run == "public" and public_killer or run == "hidden" and (killer or public_killer):
             continue
-        v = mutant_grading.grade_mutant(files, workdir, f"{mutant.id}-{run}", [*selection, *order], root=root)
+        v = mutant_grading.grade_mutant(files, workdir, f"{mutant.id}-{run}", args, root=root, public_only=public_only)
         seconds, graded = seconds + v.seconds, graded + v.tests
-        if v.killed:
-            return Outcome(mutant, True, v.killer, seconds, v.detail, graded)
-    return Outcome(mutant, False, "", seconds, v.detail, graded)
+        if v.killed and public_only:
+            public_killer = v.killer
+        if v.killed and not killer:
+            killer, detail = v.killer, v.detail
+        if not killer:
+            detail = v.detail
+    return Outcome(mutant, bool(killer), killer, seconds, detail, graded, public_killer)
 
 
 def run_all(mutants: list[Mutant], workers: int = 2, root: Path = ROOT, log=print) -> list[Outcome]:
@@ -177,22 +210,39 @@ def run_all(mutants: list[Mutant], workers: int = 2, root: Path = ROOT, log=prin
             for future in concurrent.futures.as_completed(futures):
                 outcome = future.result()
                 log(f"{outcome.mutant.id} {'killed' if outcome.killed else 'SURVIVED'} in {outcome.seconds:5.1f} s"
-                    f"{' by ' + outcome.killer if outcome.killed else ': ' + outcome.detail[:200]}")
+                    f"{' by ' + outcome.killer if outcome.killed else ': ' + outcome.detail[:200]}"
+                    f"{'' if outcome.public_killed or not outcome.killed else ' (no public test kills it)'}")
                 outcomes.append(outcome)
         return sorted(outcomes, key=lambda o: o.mutant.id)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def kill_rates(outcomes: list[Outcome]) -> tuple[float, float]:
+    """(the whole suite's kill rate, the public suite's own): killed / graded, killed by a public test / graded."""
+    n = len(outcomes)
+    return (sum(o.killed for o in outcomes) / n if n else 0.0, sum(o.public_killed for o in outcomes) / n if n else 0.0)
+
+
+def hidden_only(outcomes: list[Outcome]) -> list[Outcome]:
+    """The mutants that no public test kills but a hidden one does: bugs a student meets only in the grade."""
+    return [o for o in outcomes if o.killed and not o.public_killed]
+
+
 def report(outcomes: list[Outcome]) -> str:
-    killed = [o for o in outcomes if o.killed]
-    lines = [f"{'mutant':<6} {'task':<4} {'kind':<12} {'result':<8} {'seconds':>7}  killer / bug"]
+    lines = [f"{'mutant':<6} {'task':<4} {'kind':<12} {'result':<8} {'public':<6} {'seconds':>7}  killer / bug"]
     for o in outcomes:
         lines.append(f"{o.mutant.id:<6} {o.mutant.task:<4} {kind_of(o.mutant):<12} "
-                     f"{'killed' if o.killed else 'SURVIVED':<8} {o.seconds:7.1f}  "
-                     f"{o.killer if o.killed else o.mutant.bug}")
-    rate = len(killed) / len(outcomes) if outcomes else 0.0
-    lines.append(f"kill rate {len(killed)}/{len(outcomes)} = {rate:.1%} (required {KILL_RATE_REQUIRED:.0%})")
+                     f"{'killed' if o.killed else 'SURVIVED':<8} {'yes' if o.public_killed else 'NO':<6} "
+                     f"{o.seconds:7.1f}  {o.killer if o.killed else o.mutant.bug}")
+    rate, public_rate = kill_rates(outcomes)
+    n = len(outcomes)
+    lines.append(f"kill rate {sum(o.killed for o in outcomes)}/{n} = {rate:.1%} (required {KILL_RATE_REQUIRED:.0%})")
+    lines.append(f"public suite's own kill rate {sum(o.public_killed for o in outcomes)}/{n} = {public_rate:.1%} "
+                 f"(killed by at least one public test; goal {PUBLIC_KILL_RATE_GOAL:.0%})")
+    only = hidden_only(outcomes)
+    lines.append(f"killed only by the hidden tests ({len(only)}): " + ("none" if not only else
+                 "; ".join(f"{o.mutant.id} by {o.killer.split('::')[-1]}" for o in only)))
     return "\n".join(lines) + "\n\n" + coverage_table(outcomes)
 
 
@@ -235,11 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wall time {time.monotonic() - start:.1f} s with {args.workers} workers")
     if args.json:
         args.json.write_text(json.dumps([{"id": o.mutant.id, "task": o.mutant.task, "kind": kind_of(o.mutant),
-                                          "killed": o.killed,
-                                          "killer": o.killer, "seconds": round(o.seconds, 1), "bug": o.mutant.bug,
+                                          "killed": o.killed, "killer": o.killer, "public_killer": o.public_killer,
+                                          "seconds": round(o.seconds, 1), "bug": o.mutant.bug,
                                           "detail": o.detail} for o in outcomes], indent=1))
-    rate = sum(o.killed for o in outcomes) / len(outcomes) if outcomes else 0.0
-    return 0 if rate >= KILL_RATE_REQUIRED else 1
+    rate, public_rate = kill_rates(outcomes)
+    return 0 if rate >= KILL_RATE_REQUIRED and public_rate >= PUBLIC_KILL_RATE_GOAL else 1
 
 
 if __name__ == "__main__":

@@ -104,3 +104,85 @@ def test_the_suite_kills_the_mutants():
     shown = {o.mutant.target for o in killed if o.mutant.target and o.killer.endswith("::" + o.mutant.target)}
     assert hidden_tests() | bonus_tests() <= shown, (f"hidden or bonus tests never shown to catch their target mutant: "
                                      f"{(hidden_tests() | bonus_tests()) - shown}\n{report}")
+
+
+# ---- The public suite's own kill rate (issue 37): the report's arithmetic and the runs each mutant gets ---------
+def public_test_names() -> set[str]:
+    names = set()
+    for path in (ROOT / "tests" / "public").glob("test_*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                names.add(node.name)
+    return names
+
+
+def _fake(mutant_id: str, killer: str, public_killer: str):
+    m = next(m for m in mutations.MUTANTS if m.id == mutant_id)
+    return mutations.Outcome(m, bool(killer), killer, 1.0, "", 1, public_killer)
+
+
+def test_the_report_gives_the_public_suites_own_kill_rate():
+    outcomes = [_fake("m27", "tests/hidden/test_task5_hidden.py::test_clip_grad_norm_below_max_norm_changes_nothing",
+                      "tests/public/test_task5_optim_ckpt.py::test_clip_grad_norm_never_scales_gradients_up"),
+                _fake("m62", "tests/hidden/test_differential.py::test_generated_scripts_match_torch_fsdp2", ""),
+                _fake("m17", "tests/public/test_task4_backward.py::test_reduce_scatter_averages_over_ranks",
+                      "tests/public/test_task4_backward.py::test_reduce_scatter_averages_over_ranks"),
+                _fake("m13", "", "")]
+    assert mutations.kill_rates(outcomes) == (0.75, 0.5)
+    assert [o.mutant.id for o in mutations.hidden_only(outcomes)] == ["m62"]
+    text = mutations.report(outcomes)
+    assert "kill rate 3/4 = 75.0% (required 100%)" in text, text
+    assert "public suite's own kill rate 2/4 = 50.0% (killed by at least one public test; goal 85%)" in text, text
+    assert "killed only by the hidden tests (1): m62 by test_generated_scripts_match_torch_fsdp2" in text, text
+    assert mutations.kill_rates([]) == (0.0, 0.0)
+
+
+def test_each_mutant_is_graded_on_the_public_tests_alone_before_the_hidden_ones():
+    public = public_test_names()
+    for mutant in (m for m in mutations.MUTANTS if m.id in ("m27", "m62", "m80", "g14")):
+        runs = mutations.runs_for(mutant)
+        names = [name for name, _, _ in runs]
+        assert names[-2:] == ["public", "hidden"] and names[0] == ("target" if mutant.target else "public-calling"), names
+        for name, args, public_only in runs:
+            assert public_only == name.startswith("public"), (mutant.id, name)
+            if name == "target":
+                assert args == ["-k", mutant.target]
+            if name == "public-calling":
+                selected = {n.split("[")[0] for n in args[args.index("-k") + 1].split(" or ")}
+                assert selected and selected <= public, (mutant.id, selected - public)
+            if name == "hidden":
+                ignored = {a.split("=", 1)[1] for a in args if a.startswith("--ignore=")}
+                assert ignored == {str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "public").glob("test_*.py")}
+                assert not mutant.target or args[-2:] == ["--grade-first", mutant.target]
+
+
+def test_run_mutant_records_who_killed_it(monkeypatch, tmp_path):
+    from staff.grader_selftest.mutant_grading import Verdict
+    graded = []
+
+    def fake_grade(kills):
+        def grade(files, workdir, name, args, *, root, public_only):
+            run = name.split("-", 1)[1]
+            graded.append(run)
+            return Verdict(run in kills, f"tests/x.py::{run}_killer" if run in kills else "", 1.0, 1)
+        return grade
+
+    m27, m13 = (next(m for m in mutations.MUTANTS if m.id == i) for i in ("m27", "m13"))
+    monkeypatch.setattr(mutations.mutant_grading, "grade_mutant", fake_grade({"target", "public"}))
+    o = mutations.run_mutant(m27, tmp_path)  # the target kills it, the public tests that call clip do not, the rest do
+    assert (o.killed, o.killer, o.public_killer) == (True, "tests/x.py::target_killer", "tests/x.py::public_killer")
+    assert graded == ["target", "public-calling", "public"]
+    graded.clear()
+    monkeypatch.setattr(mutations.mutant_grading, "grade_mutant", fake_grade({"public-calling"}))
+    o = mutations.run_mutant(m27, tmp_path)  # the target misses it: the public test is its killer; no more runs
+    assert (o.killed, o.killer, o.public_killed) == (True, "tests/x.py::public-calling_killer", True)
+    assert graded == ["target", "public-calling"]
+    graded.clear()
+    monkeypatch.setattr(mutations.mutant_grading, "grade_mutant", fake_grade({"hidden"}))
+    o = mutations.run_mutant(m13, tmp_path)  # only a hidden test kills it
+    assert (o.killed, o.killer, o.public_killed) == (True, "tests/x.py::hidden_killer", False)
+    assert graded[-2:] == ["public", "hidden"]
+    graded.clear()
+    monkeypatch.setattr(mutations.mutant_grading, "grade_mutant", fake_grade(set()))
+    o = mutations.run_mutant(m13, tmp_path)  # a survivor of the whole suite
+    assert (o.killed, o.killer, o.public_killed) == (False, "", False) and graded[-1] == "hidden"
