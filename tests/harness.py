@@ -64,10 +64,13 @@ can be imported and tested alone (tests/harness_*.py; the rank's limits and isol
    raises RankFailure with every hung rank's stacks.
 
 7. Memory and communication, where a test bounds them (``witness=Witness(peak_bytes=..., sent_bytes=...)``),
-   are read from the kernel by the parent while the ranks run: each rank's VmHWM/VmRSS (/proc/<pid>/status)
-   and the bytes it wrote (``wchar`` in /proc/<pid>/io, which counts gloo's socket writes: gloo's threads are
-   the rank's own). The rank says when its body starts (an empty frame on its pipe) and, after its report,
-   waits for the parent's last reading before it exits. Whatever the rank's own counters say, these decide.
+   are read from the kernel by the parent while the ranks run: each rank's VmHWM/VmRSS (/proc/<pid>/status),
+   what it holds beyond its page tables (its cgroup or /proc: tmpfs, SysV, its children, its sockets' buffers),
+   and the bytes it sent at its sockets (TCP's counters through sock_diag; ``wchar`` in /proc/<pid>/io as a
+   second opinion). The rank says when its body starts and when it returned (an empty frame on its pipe each
+   time, and it waits for the parent's reading: its baseline, then its sockets before the closing barrier closes
+   them) and, after its report, waits for the parent's last reading before it exits. Whatever the rank's own
+   counters say, these decide.
    A witnessed run that fails in any other way is read to its end too (a rank that reported an error waits for
    the reading; a live rank is read before the kill), and its bounds are checked: evidence fails closed.
 
@@ -79,6 +82,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import secrets
 import tempfile
 import time
 
@@ -91,6 +95,7 @@ from tests.harness_cleanup import _kill_all, _remove_tree
 # (_find_body), and the constants and helpers that lived in this file before its rooms.
 from tests.harness_rank import _find_body, _rank_main, _run_body, _sendable  # noqa: F401
 from tests.harness_report import MAX_MESSAGE_BYTES, RankFailure, _decode_message, _read_report  # noqa: F401
+from tests.harness_sockets import SocketTable
 from tests.harness_start import _CTX, _body_reference, _collect, _ensure_forkserver, _Rank
 from tests.harness_witness import (WITNESS_SETUP_SENT_BYTES, Witness, _KernelSamples,  # noqa: F401
                                    _read_status, _read_wchar)
@@ -162,6 +167,9 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
     lifeline_r, lifeline_w = _CTX.Pipe(duplex=False)  # the parent keeps the only write end
     if witness is not None:
         witness.measured = []
+    # The kernel's per-socket counters (NETLINK_SOCK_DIAG), one dump per reading for the whole run; None where the
+    # kernel refuses them (the witness then counts bytes with wchar, and says so).
+    sockets = SocketTable.open() if witness is not None else None
     ranks: list[_Rank] = []
     failure = None
     try:
@@ -184,11 +192,13 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
                 ranks[-1].ack = ack_w
                 # Its own memory cgroup, joined before its body runs (it waits for our reading first), where this
                 # machine lets us make one; /proc alone otherwise.
-                cgroup = RankCgroup.create(f"fsdp-{os.path.basename(run_dir)}-rank{rank}")
+                # Its name is random and says nothing (a rank reads it in /proc/self/cgroup): no run looks special.
+                cgroup = RankCgroup.create(secrets.token_hex(8))
                 if cgroup is not None and not cgroup.add(proc.pid):
                     cgroup.remove()
                     cgroup = None
-                ranks[-1].kernel = _KernelSamples(proc.pid, cgroup or ProcShmem(proc.pid))
+                ranks[-1].kernel = _KernelSamples(proc.pid, cgroup or ProcShmem(proc.pid, _own_uid(run_as)),
+                                                  sockets)
             os.set_blocking(conn_r.fileno(), False)  # read in pieces, never waiting on a rank (_read_report)
         failure = _collect(ranks, deadline=time.monotonic() + timeout, timeout=timeout,
                            memory_limit_bytes=memory_limit_bytes)
@@ -205,6 +215,8 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
         for r in ranks:
             if r.kernel is not None and r.kernel.cgroup is not None:
                 r.kernel.cgroup.remove()
+        if sockets is not None:
+            sockets.close()
         lifeline_w.close()
         lifeline_r.close()
         for r in ranks:
@@ -223,3 +235,8 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
         witness.check()
     return [r.result for r in ranks]
 
+
+
+def _own_uid(run_as) -> int | None:
+    """The rank's user where it is not ours (files and segments it owns are then its own), else None."""
+    return run_as[0] if run_as is not None and run_as[0] != os.geteuid() else None

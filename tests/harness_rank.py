@@ -114,20 +114,17 @@ def _run_body(config: dict, sendable, report_fd: int | None = None, ack=None):
     if os.environ.get("FSDP_TRACE_TASK_CALLS"):  # staff/grader_selftest/measure_times.py: which task functions run
         trace_task_calls(os.environ["FSDP_TRACE_TASK_CALLS"])
     if config.get("witnessed") and report_fd is not None:
-        os.write(report_fd, bytes(_LENGTH_BYTES))  # an empty frame: "the body starts now" (the memory baseline)
-        if ack is not None:
-            # Wait until the parent has read our resident memory: the baseline is then exactly the body's start,
-            # however late a loaded parent gets to it (the body has not run a line yet).
-            try:
-                os.read(ack.fileno(), 1)
-            except OSError:
-                pass
+        # "The body starts now" (the memory baseline). We wait until the parent has read our resident memory: the
+        # baseline is then exactly the body's start, however late a loaded parent gets to it.
+        _ask_for_reading(report_fd, ack)
     result = body(rank, world_size, *args)
     result = sendable(result, "result")
     if not dist.is_initialized():
         raise _GroupDestroyed("returned without the default process group: the body (or code it called) "
                               "destroyed it (dist.destroy_process_group()), so its peers' collectives with this "
                               "rank could not finish; leave the default group to the harness")
+    if config.get("witnessed") and report_fd is not None:
+        _ask_for_reading(report_fd, ack)  # "the body returned": the parent reads our sockets while they are open
     try:
         dist.barrier()  # no rank tears down its connections while a peer may still be reading from them
     except Exception as e:
@@ -149,6 +146,16 @@ def _malloc_returns_big_blocks() -> None:
         libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD: return a freed heap top to the kernel
     except (OSError, AttributeError):
         pass
+
+
+def _ask_for_reading(report_fd: int, ack) -> None:
+    """An empty frame on the report pipe, then wait for the parent's byte: it has read our kernel counters."""
+    os.write(report_fd, bytes(_LENGTH_BYTES))
+    if ack is not None:
+        try:
+            os.read(ack.fileno(), 1)
+        except OSError:
+            pass
 
 
 def _warm_up(world_size: int, device) -> None:

@@ -62,9 +62,14 @@ def _read_report(r: _Rank) -> None:
         r.buffer += chunk
         if r.kernel is not None:
             r.kernel.received += len(chunk)
-            if not r.kernel.started and r.buffer[:_LENGTH_BYTES] == bytes(_LENGTH_BYTES):
-                r.kernel.body_started()  # the empty frame the rank sends just before the body (one, at most)
-                try:  # the rank waits for this byte before its body runs (see _run_body)
+            if not r.kernel.returned and r.buffer[:_LENGTH_BYTES] == bytes(_LENGTH_BYTES):
+                # The empty frames the rank sends just before its body and just after it returns (two, at most):
+                # its memory baseline, then the reading of its sockets before its closing barrier closes them.
+                if not r.kernel.started:
+                    r.kernel.body_started()
+                else:
+                    r.kernel.body_returned()
+                try:  # the rank waits for this byte before it goes on (see _run_body)
                     os.write(r.ack.fileno(), b"\0")
                 except OSError:
                     pass

@@ -4,10 +4,12 @@ read by the parent from /proc while the ranks run (``_KernelSamples``), and the 
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from tests.harness_report import RankFailure, _regular_file_size
-from tests.rank_cgroup import ProcShmem, RankCgroup
+from tests.harness_sockets import RankSockets, SocketTable
+from tests.rank_cgroup import ProcShmem, RankCgroup, private_bytes, rank_processes
 
 if TYPE_CHECKING:  # annotations only (harness_start imports the rooms that name _Rank)
     from tests.harness_start import _Rank
@@ -25,6 +27,10 @@ WITNESS_OUTPUT_BYTES = 1 << 20  # at most this much of the output file is subtra
 # load). A backstop only: the rank waits before its body until the parent has read its baseline, so no body can
 # make that baseline later or higher; this bounds what setting up, which runs no student code, may add.
 WITNESS_START_ALLOWANCE_BYTES = 128 << 20
+PROCESSES_EVERY_S = 0.050  # how often the parent lists a rank's processes and their descriptors
+# What gloo's own connections may hold in their socket buffers while a collective runs, not counted as memory the
+# rank holds (measured: see Witness); what a rank's sockets hold beyond it is.
+WITNESS_SOCKET_BUFFER_BYTES = 16 << 20
 
 
 class Witness:
@@ -48,9 +54,22 @@ class Witness:
     witnessed Task 7 step (GPT 8x512, one block 12.6 MiB) 153.2-154.0 MiB (6 rank-runs; 175.9-176.4 without).
     So a fixed floor of about 4 MiB for the first FSDP step of any model, and run-to-run noise under 1 MiB: a
     unit of 4 MiB or more stands out of it; bounds should leave the floor plus a few MiB.
-    sent_bytes: how many bytes each rank may write in all (``wchar`` in /proc/<pid>/io counts every write,
-    gloo's socket writes from its own threads included), less its report to the parent and its output file,
-    with WITNESS_SETUP_SENT_BYTES for joining the process group.
+    Beyond its page tables, a rank's peak also counts, at each reading, what it holds where VmRSS does not show:
+    shared and tmpfs pages it does not map (its memory cgroup, else /proc: files it holds open or mapped, files it
+    left in /dev/shm, SysV segments it made; tests/rank_cgroup.py), its forked children's own pages, and its
+    sockets' buffers (TCP, and unix ones without a cgroup) beyond WITNESS_SOCKET_BUFFER_BYTES (gloo's own hold up
+    to 4.2 MiB a peer in a 16 MiB all-gather).
+    sent_bytes: how many bytes each rank may send to its peers, counted at its sockets from the start of its body
+    to its closing barrier (harness_sockets: TCP's own counters, through sock_diag; what the kernel says the rank
+    wrote to each socket), plus WITNESS_SETUP_SENT_BYTES. Measured (W=2, gloo, N = 4 Mi fp32 elements): an
+    all-gather must move N*4 = 16,777,216 bytes out of each rank, and the sockets counted 16,777,504-16,777,600;
+    a reduce-scatter (as it moves data: all_to_all) 8,388,608, counted 8,388,752 (gloo's own reduce_scatter
+    all-reduces: 16,779,520, as an all-reduce does); an empty body 0. So the overhead is gloo's headers, about
+    150-400 bytes a collective; setting up the group, the barriers and the report fall outside the count. A socket
+    the body opens and closes between two listings of its sockets (50 ms) is not seen. ``wchar`` in
+    /proc/<pid>/io (every write() of the rank, less its report and output: 3.5-4.2 KiB more than the sockets in
+    the runs above) is the second opinion: over the bound while the sockets are not is itself a failure, and it
+    is the only count where the kernel refuses sock_diag (the failure then says so).
     deferred: check only when the test calls ``check()``, after its own asserts on what the ranks reported, and
     whether they passed or not (``check(reported=...)`` then adds their failure to the message): the kernel is
     asked in every run, and a failure it finds is a "witness" failure of this test, and of no other.
@@ -85,13 +104,8 @@ class Witness:
                         f"{where}: the kernel saw its resident memory peak at {_mib(m['peak_abs_bytes'])}, more "
                         f"than the rank held just after it started ({_mib(m['first_bytes'])}) + what setting up may take "
                         f"({_mib(WITNESS_START_ALLOWANCE_BYTES)}) + this test's bound ({_mib(self.peak_bytes)})")
-            if self.sent_bytes is not None and m["sent_bytes"] > self.sent_bytes + WITNESS_SETUP_SENT_BYTES:
-                problems.append(
-                    f"{where}: the kernel counted {m['sent_bytes']} bytes written by the rank ('wchar' in "
-                    f"/proc/<pid>/io: its sockets to the other ranks, less its report and output), more than this "
-                    f"test's bound of {self.sent_bytes} (+{WITNESS_SETUP_SENT_BYTES} for joining the group): it "
-                    f"communicated more than the collectives FSDP needs (an all-reduce where a reduce-scatter "
-                    f"does, or a unit gathered twice?)")
+            if self.sent_bytes is not None:
+                problems += _sent_problems(where, m, self.sent_bytes)
         if problems:
             raise RankFailure(
                 "the kernel's witness disagrees with this run: " + "; ".join(problems) + ". The kernel's counts "
@@ -101,8 +115,32 @@ class Witness:
                 kind="witness", rank=int(problems[0].split(":")[0].split()[1]))
 
 
-_CGROUP_WORDS = (", with what it holds beyond its page tables: shared and tmpfs pages it does not map, and socket "
-                 "buffers where it has a memory cgroup")
+def _sent_problems(where: str, m: dict, bound: int) -> list[str]:
+    """The bytes a rank sent against the test's bound: counted at its sockets (sock_diag) where the kernel lets
+    the parent ask, with wchar as a second opinion (over the bound while the sockets are not: bytes left through a
+    channel the sockets did not show, or the rank wrote files); with wchar alone where it does not."""
+    allowed = bound + WITNESS_SETUP_SENT_BYTES
+    hint = ("it communicated more than the collectives FSDP needs (an all-reduce where a reduce-scatter does, or a "
+            "unit gathered twice?)")
+    if m["socket_sent_bytes"] is not None and m["socket_sent_bytes"] > allowed:
+        return [f"{where}: the kernel counted {m['socket_sent_bytes']} bytes written to the rank's sockets (TCP's own "
+                f"counters, read through sock_diag, from its body's start to its closing barrier), more than this "
+                f"test's bound of {bound} (+{WITNESS_SETUP_SENT_BYTES} allowed): {hint}"]
+    if m["wchar_sent_bytes"] > allowed:
+        if m["socket_sent_bytes"] is None:
+            how = ("its sockets could not be read here (sock_diag refused), so this is 'wchar' in /proc/<pid>/io: "
+                   "every write() of the rank, its sockets to the other ranks among them, less its report and output")
+        else:
+            how = (f"'wchar' in /proc/<pid>/io, the second opinion: every write() of the rank less its report and "
+                   f"output, while its sockets showed {m['socket_sent_bytes']}: bytes left through a channel the "
+                   f"socket count did not see (a socket closed between two readings?), or the rank wrote files")
+        return [f"{where}: the kernel counted {m['wchar_sent_bytes']} bytes written by the rank ({how}), more than "
+                f"this test's bound of {bound} (+{WITNESS_SETUP_SENT_BYTES} for joining the group): {hint}"]
+    return []
+
+
+_CGROUP_WORDS = (", with what it holds beyond its page tables: shared, tmpfs and SysV pages it does not map, its "
+                 "forked children's own memory, and its sockets' buffers")
 
 
 def _mib(n: int) -> str:
@@ -142,16 +180,24 @@ def _read_wchar(pid: int) -> int | None:
 
 
 class _KernelSamples:
-    """What the parent read about one rank from /proc while it ran (see Witness)."""
+    """What the parent read about one rank from /proc and sock_diag while it ran (see Witness)."""
 
-    def __init__(self, pid: int, cgroup: "RankCgroup | ProcShmem | None" = None):
+    def __init__(self, pid: int, cgroup: "RankCgroup | ProcShmem | None" = None, sockets: SocketTable | None = None):
         self.pid = pid
         self.cgroup = cgroup  # its own memory cgroup where one could be made, else /proc (tests/rank_cgroup.py)
-        self.held_peak = 0  # the most it held at one reading beyond what VmHWM counts (its cgroup's hidden())
+        self.sockets = RankSockets(sockets) if sockets is not None else None  # its sockets' counters
+        self.pids = [pid]  # the rank and the processes it started, listed every PROCESSES_EVERY_S
+        self.listed_at = -1.0
+        self.listings = 0
+        self.children_bytes = 0  # what its forked children hold of their own at the last listing
+        self.buffers_peak = 0  # the most its sockets' buffers held at one reading
+        self.held_peak = 0  # the most it held at one reading beyond what VmHWM counts (see sample)
         self.idle = _forkserver_rss()  # an upper bound of what it holds when it is forked
         self.first_rss = None  # what it held at the parent's first reading, soon after the fork
         self.started = False
+        self.returned = False  # the rank said its body returned (the reading before its closing barrier)
         self.start_rss = 0
+        self.start_wchar = 0
         self.peak_hwm = 0  # highest VmHWM (or VmRSS) read
         self.last_hwm = 0
         self.hwm_fell = ""  # a reading where the peak fell: a reset
@@ -161,7 +207,7 @@ class _KernelSamples:
         self.samples = 0
         self.unreadable = ""
 
-    def sample(self, final: bool = False) -> None:
+    def sample(self, final: bool = False, sockets_now: bool = False) -> None:
         st = _read_status(self.pid)
         wchar = _read_wchar(self.pid)
         if "VmHWM" not in st or wchar is None:
@@ -178,18 +224,51 @@ class _KernelSamples:
                              f"which hides memory from the parent")
         self.last_hwm = max(self.last_hwm, hwm)
         self.peak_hwm = max(self.peak_hwm, hwm)
-        hidden = self.cgroup.hidden(st.get("RssShmem", 0)) if self.cgroup is not None and self.started else None
-        if hidden:  # on top of what it holds in its page tables now
-            self.held_peak = max(self.held_peak, st["VmRSS"] - self.start_rss + hidden)
         self.wchar = wchar
         self.final = self.final or final
+        if not self.started:
+            return
+        now = time.monotonic()
+        relist = sockets_now or final or now - self.listed_at >= PROCESSES_EVERY_S
+        if relist:
+            # Its forked children (and theirs), whose memory no page table of the rank shows: what each holds of
+            # its own (pages it shares with the rank since the fork are the rank's, counted in its VmHWM).
+            self.pids = rank_processes(self.pid, whole_session=self.listings % 10 == 0)
+            self.children_bytes = sum(private_bytes(child) for child in self.pids[1:])
+            self.listed_at, self.listings = now, self.listings + 1
+        if self.sockets is not None:
+            self.sockets.sample(self.pids, relist=relist, force=sockets_now or final)
+        rss_shmem = st.get("RssShmem", 0)
+        if isinstance(self.cgroup, ProcShmem):
+            hidden = self.cgroup.hidden(rss_shmem, self.pids)
+        else:
+            hidden = self.cgroup.hidden(rss_shmem) if self.cgroup is not None else None
+        # What it holds now beyond its page tables: shared and tmpfs pages it does not map (its cgroup, or /proc),
+        # its children's own memory, and its sockets' buffers beyond what gloo's own may hold in a collective
+        # (unix sockets' are in a cgroup's kernel memory already).
+        buffers = 0
+        if self.sockets is not None:
+            unix = 0 if isinstance(self.cgroup, RankCgroup) else self.sockets.unix_buffers
+            buffers = self.sockets.tcp_buffers + unix
+        extra = (hidden or 0) + self.children_bytes + max(0, buffers - WITNESS_SOCKET_BUFFER_BYTES)
+        if hidden is not None or extra:
+            self.held_peak = max(self.held_peak, st["VmRSS"] - self.start_rss + extra)
+        self.buffers_peak = max(self.buffers_peak, buffers)
 
     def body_started(self) -> None:
         self.sample()
         if self.cgroup is not None:
             self.cgroup.start()
+        if self.sockets is not None:
+            self.sockets.start(self.pids)
         self.started = True
         self.start_rss = _read_status(self.pid).get("VmRSS", 0)
+        self.start_wchar = _read_wchar(self.pid) or 0
+
+    def body_returned(self) -> None:
+        """The rank's body returned: read its sockets now, before its closing barrier closes gloo's."""
+        self.returned = True
+        self.sample(sockets_now=True)
 
     def figures(self, r: _Rank, run_failed: bool = False) -> dict:
         error = ""
@@ -204,14 +283,21 @@ class _KernelSamples:
                      "for the parent's go before it exits)")
         elif self.hwm_fell:
             error = self.hwm_fell
+        elif self.sockets is not None and not self.returned and not run_failed:
+            error = ("the parent never had its sockets read before its closing barrier (the harness's 'body "
+                     "returned' frame did not arrive)")
         out_size = min(_regular_file_size(r.out_path) or 0, WITNESS_OUTPUT_BYTES)
-        sent = (self.wchar or 0) - self.received - out_size
-        # Resident memory's rise, or its rise with what the rank's cgroup shows it holds beyond its page tables
-        # (tmpfs pages it does not map, socket buffers: tests/rank_cgroup.py) at one reading, whichever is more.
+        wchar_sent = (self.wchar or 0) - self.received - out_size
+        socket_sent = self.sockets.sent_bytes() if self.sockets is not None else None
+        # Resident memory's rise, or its rise with what it holds beyond its page tables at one reading, if more.
         peak = max(self.peak_hwm - self.start_rss, self.held_peak)
         return {"rank": r.rank, "error": error, "peak_bytes": peak, "held_bytes": self.held_peak,
                 "beyond_page_tables": self.cgroup is not None and self.cgroup.started,
                 "peak_abs_bytes": self.peak_hwm, "start_bytes": self.start_rss, "idle_bytes": self.idle,
                 "first_bytes": self.first_rss or self.idle,
-                "sent_bytes": sent, "samples": self.samples}
-
+                "sent_bytes": socket_sent if socket_sent is not None else wchar_sent,
+                "socket_sent_bytes": socket_sent, "wchar_sent_bytes": wchar_sent,
+                "wchar_body_bytes": (self.wchar or 0) - self.start_wchar,
+                "received_bytes": self.sockets.received_bytes() if self.sockets is not None else None,
+                "children_bytes": self.children_bytes,
+                "socket_buffer_peak_bytes": self.buffers_peak, "samples": self.samples}

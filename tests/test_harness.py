@@ -628,10 +628,169 @@ def _gather(rank, world_size, numel):
 
 
 def test_witness_counts_the_bytes_sent_to_peers():
-    # gloo's socket writes (from its own threads) count in the rank's wchar: each rank sends its 8 MiB once.
+    # Counted at the rank's sockets (TCP's counters, through sock_diag), and by wchar (gloo writes with write()):
+    # each rank sends its 8 MiB once, and a few hundred bytes of gloo's headers.
     witness = Witness(sent_bytes=4 << 20, deferred=True)
     run_ranks(_gather, 2, 2 << 20, witness=witness)
     for m in witness.measured:
         assert 8 << 20 <= m["sent_bytes"] <= (8 << 20) + (64 << 10), witness.measured
-    with pytest.raises(RankFailure, match="bytes written"):
+        assert 8 << 20 <= m["wchar_sent_bytes"] <= (8 << 20) + (64 << 10), witness.measured
+    with pytest.raises(RankFailure, match="bytes written to the rank's sockets|bytes written"):
         witness.check()
+
+
+def _reduce_scatter(rank, world_size, numel, how):
+    """A reduce-scatter of ``numel`` elements as it moves data (each rank sends each peer only that peer's chunk:
+    all_to_all; gloo's own reduce_scatter all-reduces), or an all-reduce in its place."""
+    x = torch.full((numel,), float(rank + 1))
+    if how == "all_reduce":
+        dist.all_reduce(x)
+        return x[rank * numel // world_size].item()
+    received = torch.empty(numel)
+    dist.all_to_all_single(received, x)
+    return received.view(world_size, -1).sum(0)[0].item()
+
+
+@pytest.mark.parametrize("counted_by", ["sockets", "wchar"])
+def test_an_all_reduce_in_place_of_a_reduce_scatter_breaks_its_sent_bound(counted_by, monkeypatch):
+    # W=2, 2 Mi elements: a reduce-scatter sends 4 MiB from each rank, an all-reduce 8 MiB (measured: 8,388,752
+    # and 16,779,616 bytes at the sockets). The bound is the reduce-scatter's; counted at the sockets, and by
+    # wchar alone where sock_diag is refused (forced here), with the failure saying so.
+    if counted_by == "wchar":
+        import tests.harness
+        monkeypatch.setattr(tests.harness.SocketTable, "open", classmethod(lambda cls: None))
+    numel = 2 << 20
+    bound = numel * 4 // 2
+    witness = Witness(sent_bytes=bound)
+    assert run_ranks(_reduce_scatter, 2, numel, "reduce_scatter", witness=witness) == [3.0, 3.0]
+    for m in witness.measured:
+        assert bound <= m["sent_bytes"] <= bound + (64 << 10), witness.measured
+        assert (m["socket_sent_bytes"] is None) == (counted_by == "wchar"), witness.measured
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_reduce_scatter, 2, numel, "all_reduce", witness=Witness(sent_bytes=bound))
+    message = str(info.value)
+    assert info.value.kind == "witness" and "an all-reduce where a reduce-scatter does" in message, message
+    if counted_by == "sockets":
+        assert "bytes written to the rank's sockets" in message, message
+    else:
+        assert "sock_diag refused" in message, message
+
+
+def _sends_without_write(rank, world_size, nbytes):
+    """Bytes through send() on a loopback TCP connection of the rank's own: wchar does not count them."""
+    import socket
+    server = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(server.getsockname())
+    b, _ = server.accept()
+    chunk, sent, received = bytes(1 << 20), 0, 0
+    while sent < nbytes:
+        sent += a.send(chunk)
+        while received < sent:  # read what was sent, so that the next send() never waits
+            received += len(b.recv(1 << 20))
+    time.sleep(0.3)  # open across the parent's listings of its sockets (every 50 ms)
+    return sent
+
+
+def test_bytes_a_rank_sends_without_write_are_counted_at_its_sockets():
+    # wchar counts write() and writev() only: 16 MiB sent with send() leave it unchanged, not the sockets. (A
+    # socket opened, used and closed between two listings of the rank's sockets, 50 ms apart, is not seen.)
+    if __import__("tests.harness_sockets", fromlist=["SocketTable"]).SocketTable.open() is None:
+        pytest.skip("sock_diag is refused here: bytes are counted with wchar alone")
+    witness = Witness(sent_bytes=4 << 20, deferred=True)
+    run_ranks(_sends_without_write, 1, 16 << 20, witness=witness)
+    m = witness.measured[0]
+    assert m["socket_sent_bytes"] >= 16 << 20 and m["wchar_body_bytes"] < 1 << 20, witness.measured
+    with pytest.raises(RankFailure, match="bytes written to the rank's sockets"):
+        witness.check()
+
+
+def _hides_memory(rank, world_size, case, nbytes, name):
+    """Memory a rank holds where its page tables do not show it (issue 35's cases), ``nbytes`` of it, kept until
+    the harness ends the run. ``name``: the /dev/shm file or the SysV key the test removes afterwards."""
+    import ctypes
+    import socket
+    held = []
+    if case == "forked child":  # a child of the rank's own, parking memory (pages the rank never had)
+        if os.fork() == 0:
+            block = bytearray(b"\1") * nbytes  # written: resident in the child
+            time.sleep(60 + len(block) * 0)
+            os._exit(0)
+    elif case == "tcp buffers":  # loopback connections filled and never read
+        server = socket.create_server(("127.0.0.1", 0))
+        total = 0
+        while total < nbytes and len(held) < 200:
+            a = socket.create_connection(server.getsockname())
+            b, _ = server.accept()
+            a.setblocking(False)
+            try:
+                while True:
+                    total += a.send(bytes(1 << 16))
+            except BlockingIOError:
+                pass
+            held.append((a, b))
+    elif case == "unix buffers":
+        total = 0
+        while total < nbytes and len(held) < 2000:
+            a, b = socket.socketpair()
+            a.setblocking(False)
+            try:
+                while True:
+                    total += a.send(bytes(1 << 16))
+            except BlockingIOError:
+                pass
+            held.append((a, b))
+    elif case == "named /dev/shm file":  # written, closed, never mapped: nothing of the rank points at it
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.posix_fallocate(fd, 0, nbytes)  # its pages, at once: open for a few ms only
+        os.close(fd)
+    elif case == "detached SysV segment":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.shmat.restype = ctypes.c_void_p
+        shmid = libc.shmget(name, ctypes.c_size_t(nbytes), 0o1000 | 0o600)  # IPC_CREAT
+        assert shmid >= 0, os.strerror(ctypes.get_errno())
+        address = libc.shmat(shmid, None, 0)
+        ctypes.memset(address, 1, nbytes)
+        libc.shmdt(ctypes.c_void_p(address))
+    time.sleep(0.4)  # across the parent's listings (every 50 ms) and walks of /dev/shm (every 250 ms)
+    return len(held)
+
+
+HIDING_CASES = ["forked child", "tcp buffers", "unix buffers", "named /dev/shm file", "detached SysV segment"]
+
+
+@pytest.mark.parametrize("path", ["cgroup", "proc"])
+@pytest.mark.parametrize("case", HIDING_CASES)
+def test_witness_counts_memory_a_rank_hides(case, path, monkeypatch):
+    # Issue 35: each rank of the witnessed test parked 200 MiB in each of these, unseen by the kernel's count on
+    # one path or both. Counted now on both: with a memory cgroup of the rank's own, and on the /proc fallback
+    # (a Gradescope container can make no cgroup; forced here). The grader's seccomp filter refuses fork, unix
+    # sockets and SysV in graded ranks (tests/rank_isolation.py); this counting is the second line, shown here
+    # without the filter (run_ranks outside the grader installs none).
+    import ctypes
+
+    import tests.harness
+    if path == "cgroup":
+        probe = tests.harness.RankCgroup.create(f"probe{os.getpid()}")
+        if probe is None:
+            pytest.skip("no memory cgroup can be made here (not root, or a read-only cgroup file system)")
+        probe.remove()
+    else:
+        monkeypatch.setattr(tests.harness.RankCgroup, "create", classmethod(lambda cls, name: None))
+    nbytes = 96 << 20
+    name = f"/dev/shm/fsdp-hide-{os.getpid()}" if case == "named /dev/shm file" else 0x46530000 + os.getpid() % 65536
+    witness = Witness(peak_bytes=48 << 20, deferred=True)
+    try:
+        run_ranks(_hides_memory, 1, case, nbytes, name, witness=witness)
+    finally:
+        if case == "named /dev/shm file" and os.path.exists(name):
+            os.unlink(name)
+        if case == "detached SysV segment":
+            libc = ctypes.CDLL(None)
+            shmid = libc.shmget(name, ctypes.c_size_t(0), 0)
+            if shmid >= 0:
+                libc.shmctl(shmid, 0, None)  # IPC_RMID
+    measured = witness.measured[0]
+    assert measured["held_bytes"] >= 64 << 20, measured
+    with pytest.raises(RankFailure, match="beyond its page tables") as info:
+        witness.check()
+    assert info.value.kind == "witness"
