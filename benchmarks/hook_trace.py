@@ -32,6 +32,8 @@ The three scenarios (the Task 4 hard cases, models from ``fsdp_assignment/suppor
     reentrant  GPT, 2 blocks, torch.utils.checkpoint(use_reentrant=True) around each block: the block's forward
                runs again inside backward
     twice      a block applied twice in one forward (one unit, two uses), then a head
+    meta       GPT, 2 blocks, built on the meta device, sharded, then materialize_meta_module (Task 1): the
+               "materialize" phase shows your calls unit by unit (--setup shows the sharding too)
 
 Output: per scenario, rank 0's timeline (the other ranks' are printed only where they differ: ranks that issue
 different collectives hang or pair the wrong tensors), then per unit the sequence of its events. A task that
@@ -51,7 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SCENARIOS = ("lora", "reentrant", "twice")
+SCENARIOS = ("lora", "reentrant", "twice", "meta")
 COLLECTIVE_NAMES = {"all_gather": "ALL-GATHER", "reduce_scatter": "REDUCE-SCATTER"}
 
 
@@ -205,6 +207,11 @@ def _build(scenario: str, freeze_embedding: bool = False):
     from fsdp_assignment.support.models import GPT, GPTConfig, LoRAConfig, LoRAModel, gpt_batch, gpt_loss
 
     torch.manual_seed(0)
+    if scenario == "meta":  # built on meta: materialize_meta_module gives it values after sharding
+        cfg = GPTConfig(n_layer=2)
+        with torch.device("meta"):
+            model = GPT(cfg)
+        return model, [*model.blocks, model], lambda step: gpt_loss(model, *gpt_batch(cfg, 2, seed=step))
     if scenario == "lora":
         cfg = LoRAConfig(n_layer=2, freeze_embedding=freeze_embedding)
         model = LoRAModel(cfg)
@@ -274,6 +281,12 @@ def _one_scenario(rank: int, scenario: str, hooks: int, prefetch: bool, steps: i
             root = hand_shard(model, unit_modules, hooks=hooks)
             root.shared.prefetch = prefetch
         rec._refresh_units()
+        if scenario == "meta":
+            import torch
+            rec.phase = "materialize"
+            rec.add(kind="phase", name="materialize_meta_module(model, 'cpu')", unit="")
+            torch.manual_seed(0)
+            adapters.materialize_meta_module(model, "cpu")
         for step in range(steps):
             rec.phase = f"step {step + 1} forward"
             rec.add(kind="phase", name=f"step {step + 1}: forward", unit="")

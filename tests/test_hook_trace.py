@@ -15,7 +15,7 @@ from benchmarks import hook_trace
 # parameter: forward gathers each unit, backward gathers it again (resharded after forward) and reduce-scatters
 # its gradient once, after its last gather of backward (the unit run twice too: its gradient is the sum).
 UNITS = {"lora": ["blocks.0", "blocks.1", "<root>"], "reentrant": ["blocks.0", "blocks.1", "<root>"],
-         "twice": ["block", "<root>"]}
+         "twice": ["block", "<root>"], "meta": ["blocks.0", "blocks.1", "<root>"]}
 
 
 def _collectives_of(events, unit, phase):
@@ -49,6 +49,9 @@ def _check_plausible(scenario, results, strict=False):
             assert backward.count("REDUCE-SCATTER") == 1 and \
                 backward.index("REDUCE-SCATTER") > max(i for i, x in enumerate(backward) if x == "ALL-GATHER"), \
                 f"{scenario}: unit {unit}: not one reduce-scatter after its last all-gather of backward: {backward}"
+    if scenario == "meta":
+        materialize = [e for e in events if e["kind"] == "call" and e["phase"] == "materialize"]
+        assert materialize and materialize[0]["name"] == "task1_meta_init.materialize_meta_module", materialize[:3]
     text = "\n".join(hook_trace.report(scenario, results))
     assert "== step 1: backward (loss.backward()) ==" in text and ">> REDUCE-SCATTER" in text, text[:2000]
     for unit in UNITS[scenario]:

@@ -325,6 +325,7 @@ def test_each_design_question_asks_for_the_students_own_run():
     q3 = text.split("**Q3.**")[1].split("**Q4.**")[0]
     for scenario in ("--scenario lora", "--freeze-embedding", "--scenario reentrant", "--scenario twice"):
         assert scenario in q3, f"Q3 no longer asks for the {scenario} trace"
+    assert "--scenario meta" in text.split("**Q1.**")[1].split("**Q2.**")[0]
     assert "--prefetch" in text.split("**Q7.**")[1].split("**Q8.**")[0]
     assert "--mixed-precision" in text.split("**Q8.**")[1].split("## Memory")[0]
 
