@@ -1,6 +1,6 @@
 """Trace your FSDP: which of your functions ran, in order, per rank and per unit, beside the collectives.
 
-    python benchmarks/hook_trace.py                         # the three scenarios below, fully_shard (Task 7)
+    python benchmarks/hook_trace.py                         # the four scenarios below, fully_shard (Task 7)
     python benchmarks/hook_trace.py --scenario lora         # one scenario: lora, reentrant or twice
     python benchmarks/hook_trace.py --hooks 4               # units made by hand with Task 4's life cycle
                                                             # (before Task 7 works; 6: Task 6's, prefetch on)
@@ -10,7 +10,7 @@
     python benchmarks/hook_trace.py --json                  # the events as JSON, for your own scripts
 
 A debugging tool first: when a test says a unit stayed unsharded, was gathered twice, or that a collective hung,
-the trace shows what your code did, call by call. The writeup's questions on your design (Q1, Q3, Q7) ask about
+the trace shows what your code did, call by call. The writeup's questions on your design (Q1, Q3, Q7, Q8) ask about
 the trace of *your* implementation too.
 
 What it does. Two ranks (gloo, CPU) run one training step (forward, then backward) of a small model through
@@ -26,7 +26,7 @@ A call's unit is the first unit its arguments name (an FSDPUnit, a module, one o
 tensors), else its caller's. An all-gather's unit is the one whose shard it sends (``gathered_unit``), else its
 caller's; a reduce-scatter's is its caller's.
 
-The three scenarios (the Task 4 hard cases, models from ``fsdp_assignment/support/models.py``):
+The scenarios (the Task 4 hard cases and Task 1 on meta, models from ``fsdp_assignment/support/models.py``):
 
     lora       LoRAModel, 2 blocks: each block unit holds frozen base weights beside trainable adapters
     reentrant  GPT, 2 blocks, torch.utils.checkpoint(use_reentrant=True) around each block: the block's forward

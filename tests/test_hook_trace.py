@@ -1,4 +1,4 @@
-"""The tracer (benchmarks/hook_trace.py): it runs the three scenarios through the implementation ``adapters``
+"""The tracer (benchmarks/hook_trace.py): it runs the four scenarios through the implementation ``adapters``
 selects and shows, per unit, its functions beside the all-gathers and reduce-scatters.
 
 Not graded: these tests check the tool. On an implementation that is not finished yet the trace stops at the
@@ -60,7 +60,7 @@ def _check_plausible(scenario, results, strict=False):
 
 @pytest.fixture(scope="module")
 def traced():
-    """The three scenarios on the implementation adapters selects (one run of two ranks, a few seconds)."""
+    """The four scenarios on the implementation adapters selects (one run of two ranks, a few seconds)."""
     return hook_trace.trace(hook_trace.SCENARIOS)
 
 
