@@ -443,3 +443,104 @@ def test_a_unit_whose_input_an_earlier_unit_also_reads():
     model = SharedInput()
     x = torch.randn(3 * world_size, 13, generator=torch.Generator().manual_seed(1))
     _check_grad_shards(results, model, SHARED_UNITS, _single_process_grads(model, model(x).pow(2).mean()))
+
+
+# ---- More of the module docstring's hard cases, one small model each, in one run ----------------------------------
+class TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.a(x), self.b(x), "not a tensor"
+
+
+class OneOutputOfTwo(nn.Module):
+    """``two`` returns (a, b, a string); the loss uses only output ``use``: its pre-backward must run whichever."""
+
+    def __init__(self, use: int):
+        super().__init__()
+        self.use = use
+        self.pre = nn.Linear(5, 6)
+        self.two = TwoOutputs()
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.two(torch.tanh(self.pre(x)))[self.use])
+
+
+class TwiceAndDetached(nn.Module):
+    """``twice`` runs twice in one forward (its gradient: the sum of both runs'); ``side``'s output is detached."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(13, 29)
+        self.twice = ScaledResidual(29, 37)
+        self.side = nn.Linear(29, 29)
+        self.head = nn.Linear(29, 7)
+
+    def forward(self, x):
+        h = self.twice(self.twice(self.embed(x)))
+        return self.head(h + self.side(h).detach())
+
+
+def _hard_case_models():
+    """name -> (model maker, its units' prefixes, input maker(world_size))"""
+    x = lambda d: (lambda world_size: torch.randn(3 * world_size, d, generator=torch.Generator().manual_seed(5)))
+    return {"the loss uses output 0 of two": (lambda: OneOutputOfTwo(0), ["two.", ""], x(5)),
+            "the loss uses output 1 of two": (lambda: OneOutputOfTwo(1), ["two.", ""], x(5)),
+            "a unit run twice and a detached output": (TwiceAndDetached, ["twice.", "side.", ""], x(13))}
+
+
+def _hard_cases(rank, world_size):
+    out = {}
+    for name, (make, units, inputs) in _hard_case_models().items():
+        torch.manual_seed(0)
+        model = make()
+        hand_shard(model, [model.get_submodule(u[:-1]) if u else model for u in units])
+        model(inputs(world_size)[3 * rank:3 * (rank + 1)]).pow(2).mean().backward()
+        out[name] = _after_backward(model)
+    # An evaluation forward under torch.no_grad(), then a training step: every gradient still arrives.
+    cfg = GPTConfig()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    hand_shard_gpt(model)
+    idx, tgt = local_batch(cfg, rank, world_size, step=0)
+    with torch.no_grad():
+        model(idx)
+    gpt_loss(model, idx, tgt).backward()
+    out["an evaluation forward under no_grad, then a training step"] = _after_backward(model)
+    return out
+
+
+def _after_backward(model):
+    return {"flat": describe_flat_params(model, grads=True), "sizes": unsharded_storage_sizes(model),
+            "full_grads_alive": [u.module.__class__.__name__ for u in adapters.fsdp_units(model)
+                                 for fp in u.flat_params if fp.unsharded.grad is not None]}
+
+
+def test_one_output_of_several_a_unit_run_twice_a_detached_output_and_an_evaluation_forward():
+    world_size = 2
+    results = run_ranks(_hard_cases, world_size)
+    for name, (make, units, inputs) in _hard_case_models().items():
+        torch.manual_seed(0)
+        model = make()
+        expected = _single_process_grads(model, model(inputs(world_size)).pow(2).mean())
+        for got in results:
+            for desc in got[name]["flat"]:  # a unit autograd never reaches gets no gradient or zeros
+                if desc["grad"] is None and desc["requires_grad"] and not expected_shard(desc, expected).any():
+                    desc["grad"] = torch.zeros(desc["shard_numel"])
+        try:
+            _check_grad_shards([got[name] for got in results], model, units, expected)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+    cfg = GPTConfig()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    idx, tgt = gpt_batch(cfg, 2 * world_size, seed=0)
+    name = "an evaluation forward under no_grad, then a training step"
+    try:
+        _check_grad_shards([got[name] for got in results], model, GPT_UNITS,
+                           _single_process_grads(model, gpt_loss(model, idx, tgt)))
+    except AssertionError as e:
+        raise AssertionError(f"{name}: {e}") from None
