@@ -86,6 +86,10 @@ def review_source(data: bytes | str) -> list[dict]:
         except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
             flags.append({"line": getattr(err, "lineno", 0) or 0, "kind": "unreadable",
                           "what": f"not reviewed: {type(err).__name__}: {str(err)[:200]}", "code": ""})
+        except Exception as err:  # a bug of the review's own: this file is said unreviewed, the others still are
+            flags.append({"line": 0, "kind": "unreadable", "code": "",
+                          "what": f"the review failed on this file ({type(err).__name__}: {str(err)[:200]}): "
+                                  f"read it whole"})
     # One flag per line and kind (the first found is the outermost, most telling, spelling).
     seen, out = set(), []
     for f in sorted(flags, key=lambda f: f["line"]):
