@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             parser.error(f"{path}: not a folder of submissions or a .py file")
     for name, flags in report.items():
-        print(f"{name}: " + ("nothing flagged" if not flags else f"{len(flags)} flag(s)"))
+        print(f"{shown(name)}: " + ("nothing flagged" if not flags else f"{len(flags)} flag(s)"))
         for f in flags:
             print(f"  {f['file']}:{f['line']}: {f['kind']}: {f['what']}  |  {f['code']}")
     if args.json:

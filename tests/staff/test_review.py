@@ -213,6 +213,27 @@ def test_the_review_is_in_results_json_for_staff_only(tmp_path):
     assert "ctypes" not in shown and "review" not in shown
 
 
+def test_every_issue_36_case_is_in_results_json_with_its_file_and_line(tmp_path):
+    """Issue 36's "done when": each case, as a task file of a graded tree, is in results.json's staff review
+    section with its file and line (seven cases a round, one per task file)."""
+    tree, results = _graded_tree(tmp_path)
+    task_files = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "fsdp_assignment").glob("task[0-9]_*.py"))
+    cases = sorted(ISSUE_36)
+    blank = results.read_text()
+    for start in range(0, len(cases), len(task_files)):
+        chunk = dict(zip(task_files, cases[start:start + len(task_files)]))
+        for rel in task_files:
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            source = ISSUE_36[chunk[rel]][0] if rel in chunk else "import torch\n"
+            (tree / rel).write_bytes(source if isinstance(source, bytes) else source.encode())
+        results.write_text(blank)
+        review.add_staff_review(tree, results, lambda line: None)
+        flags = json.loads(results.read_text())["extra_data"]["staff_review"]["flags"]
+        for rel, case in chunk.items():
+            got = {(f["line"], f["kind"]) for f in flags if f["file"] == rel}
+            assert got == ISSUE_36[case][1], (case, got)
+
+
 def test_runtime_findings_are_stored_and_printed_capped(tmp_path):
     """The rank audit's findings (seam 3: JSON lines in audit.jsonl beside results.json) are stored under
     staff_review.runtime and printed like static flags; repeats are merged with a count, a flood is capped at
