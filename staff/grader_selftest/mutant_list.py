@@ -512,8 +512,8 @@ MUTANTS += [
 # every rank), g05 (keyword inputs not cast), m66 (a frozen weight tied across units accepted) and m65 (a tied
 # weight under both names in the sharded state dict).
 MUTANTS += [
-    Mutant("m80", 3, "    # An all-gather still in flight writes into the buffer: finish it before freeing the storage.\n"
-                     "    for work in unit.pending_unshard:\n        work.wait()\n    unit.pending_unshard.clear()\n",
+    Mutant("m80", 3, "    # An all-gather still in flight writes into the buffer: finish it before freeing the "
+                     "storage.\n    for work in unit.pending_unshard:\n        work.wait()\n    unit.pending_unshard.clear()\n",
            "    unit.pending_unshard.clear()\n",
            "frees the buffer of a unit prefetched that then did not run with its all-gather still in flight (the "
            "handle dropped, never waited on)"),
@@ -523,10 +523,12 @@ MUTANTS += [
            "        torch._C._autograd._unsafe_set_version_counter((flat_param.unsharded,), (version,))\n",
            "gathers into the autograd-visible buffer and restores its version counter around the call: views saved "
            "for backward stay usable only when the gather completes inside the call (synchronously)"),
-    Mutant("m82", 4, "            if inputs:\n                outputs = _RegisterPostBackward.apply(self, unit, *inputs)\n"
+    Mutant("m82", 4, "            if inputs:\n"
+                     "                outputs = _RegisterPostBackward.apply(self, unit, *inputs)\n"
                      "                new = {id(t): o for t, o in zip(inputs, outputs)}\n"
                      "                args, kwargs = _replace_tensors(args, new), _replace_tensors(kwargs, new)\n",
-           "            for t in inputs:\n                t.register_hook(lambda grad, unit=unit: self.post_backward(unit))\n",
+           "            for t in inputs:\n"
+           "                t.register_hook(lambda grad, unit=unit: self.post_backward(unit))\n",
            "post-backward from a hook on each input tensor itself: when an earlier unit also reads that input, the "
            "hook waits for the earlier unit's backward too, and the unit stays unsharded through it"),
 ]

@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 KILL_RATE_REQUIRED = 1.0  # every mutant killed (issue 13)
-PUBLIC_KILL_RATE_GOAL = 0.85  # killed by a public test (issue 37): the public suite meets the student where the bugs are
+PUBLIC_KILL_RATE_GOAL = 0.85  # killed by a public test (issue 37): the public tests meet the student where bugs are
 
 from staff.grader_selftest import mutant_grading  # the grading path both mutation systems share
 from staff.grader_selftest.mutant_grading import (TASK_FILES, reference_student_files, stage_tree,  # noqa: F401
@@ -150,9 +150,9 @@ class Outcome:
 
 
 def tests_for(mutant: Mutant, root: Path = ROOT, *, public: bool = False) -> list[str]:
-    """The names of the graded tests that call a function the mutant edits (test_times.json), its target among them; empty
-    when no traced test calls it (module-level code, a function added since the times were measured). ``public``:
-    the public ones only, without the target."""
+    """The names of the graded tests that call a function the mutant edits (test_times.json), its target among them;
+    empty when no traced test calls it (module-level code, a function added since the times were measured).
+    ``public``: the public ones only, without the target."""
     name = TASK_FILES[mutant.task]
     source = reference_student_files(root)[f"fsdp_assignment/{name}"]
     calling = mutant_grading.tests_calling(name, mutant_grading.functions_edited(source, mutant.old))

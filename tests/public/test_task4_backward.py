@@ -492,6 +492,9 @@ def _hard_case_models():
             "a unit run twice and a detached output": (TwiceAndDetached, ["twice.", "side.", ""], x(13))}
 
 
+EVAL_CASE = "an evaluation forward under no_grad, then a training step (reshard_after_forward=False)"
+
+
 def _hard_cases(rank, world_size):
     out = {}
     for name, (make, units, inputs) in _hard_case_models().items():
@@ -500,16 +503,17 @@ def _hard_cases(rank, world_size):
         hand_shard(model, [model.get_submodule(u[:-1]) if u else model for u in units])
         model(inputs(world_size)[3 * rank:3 * (rank + 1)]).pow(2).mean().backward()
         out[name] = _after_backward(model)
-    # An evaluation forward under torch.no_grad(), then a training step: every gradient still arrives.
+    # An evaluation forward under torch.no_grad(), then a training step: every gradient still arrives. Without
+    # reshard_after_forward the units stay unsharded in between, with the parameter views the evaluation made.
     cfg = GPTConfig()
     torch.manual_seed(0)
     model = GPT(cfg)
-    hand_shard_gpt(model)
+    hand_shard_gpt(model, reshard_after_forward=False)
     idx, tgt = local_batch(cfg, rank, world_size, step=0)
     with torch.no_grad():
         model(idx)
     gpt_loss(model, idx, tgt).backward()
-    out["an evaluation forward under no_grad, then a training step"] = _after_backward(model)
+    out[EVAL_CASE] = _after_backward(model)
     return out
 
 
@@ -538,7 +542,7 @@ def test_one_output_of_several_a_unit_run_twice_a_detached_output_and_an_evaluat
     torch.manual_seed(0)
     model = GPT(cfg)
     idx, tgt = gpt_batch(cfg, 2 * world_size, seed=0)
-    name = "an evaluation forward under no_grad, then a training step"
+    name = EVAL_CASE
     try:
         _check_grad_shards([got[name] for got in results], model, GPT_UNITS,
                            _single_process_grads(model, gpt_loss(model, idx, tgt)))

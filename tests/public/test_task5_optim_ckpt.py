@@ -232,7 +232,8 @@ def _save_full_checkpoint(rank, world_size):
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)
     optim.step()
-    saved = (adapters.get_model_state_dict(model, full=True), adapters.get_optimizer_state_dict(model, optim, full=True))
+    saved = (adapters.get_model_state_dict(model, full=True),
+             adapters.get_optimizer_state_dict(model, optim, full=True))
     return {"model": len(saved[0]), "optim": len(saved[1].get("state", {})) if saved[1] else 0}
 
 

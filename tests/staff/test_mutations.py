@@ -142,7 +142,8 @@ def test_each_mutant_is_graded_on_the_public_tests_alone_before_the_hidden_ones(
     for mutant in (m for m in mutations.MUTANTS if m.id in ("m27", "m62", "m80", "g14")):
         runs = mutations.runs_for(mutant)
         names = [name for name, _, _ in runs]
-        assert names[-2:] == ["public", "hidden"] and names[0] == ("target" if mutant.target else "public-calling"), names
+        first = "target" if mutant.target else "public-calling"
+        assert names[-2:] == ["public", "hidden"] and names[0] == first, names
         for name, args, public_only in runs:
             assert public_only == name.startswith("public"), (mutant.id, name)
             if name == "target":
