@@ -68,6 +68,7 @@ BUNDLE_GLOBS = (
     "staff/autograder/cleanup.py",  # what is removed after every test (grading_plugin.py, grade.py)
     "staff/autograder/sanitize.py",  # every line the grader prints and every output in results.json
     "staff/autograder/review.py",  # the staff review grade.py adds to results.json (extra_data) and its log
+    "staff/autograder/review_*.py",  # its parts: decoding as Python does, names and scopes, the rules
     "staff/autograder/test_times.json",  # per-test time limits and the calls that decide hang probes (grading_plugin.py)
 )
 
