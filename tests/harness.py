@@ -99,6 +99,7 @@ from tests.harness_sockets import SocketTable
 from tests.harness_start import _CTX, _body_reference, _collect, _ensure_forkserver, _Rank
 from tests.harness_witness import (WITNESS_SETUP_SENT_BYTES, Witness, _KernelSamples,  # noqa: F401
                                    _read_status, _read_wchar)
+from tests.rank_audit import AuditChannel, publish_run
 from tests.rank_cgroup import ProcShmem, RankCgroup
 from tests.rank_isolation import grader_settings, kill_everything_of
 
@@ -152,6 +153,7 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
     _ensure_forkserver()
     # The environment now, not the forkserver's (a snapshot taken when it started): tests may set FSDP_IMPL.
     env = dict(os.environ)
+    env.pop("FSDP_AUDIT_LOG", None)  # the parent writes the audit's log (tests/rank_audit.py); a rank never does
     # Two places per run. run_dir is ours: each rank's output and stack files, which we read back, live here,
     # where the body can neither replace them (with a link to a hidden test, or a FIFO) nor add files.
     # rank_dir, inside it, is the body's: the FileStore and the body's TMPDIR and HOME; we never read from it.
@@ -171,10 +173,12 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
     # kernel refuses them (the witness then counts bytes with wchar, and says so).
     sockets = SocketTable.open() if witness is not None else None
     ranks: list[_Rank] = []
+    audits: list[AuditChannel] = []  # each rank's runtime audit channel (tests/rank_audit.py)
     failure = None
     try:
         for rank in range(world_size):
             conn_r, conn_w = _CTX.Pipe(duplex=False)
+            audits.append(AuditChannel(_CTX))
             ack_r, ack_w = _CTX.Pipe(duplex=False) if witness is not None else (None, None)
             out_path = os.path.join(run_dir, f"rank{rank}.out")
             stack_path = os.path.join(run_dir, f"rank{rank}.stacks")
@@ -182,11 +186,12 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
                           args_blob=args_blob, env=env, rank_dir=rank_dir,
                           out_path=out_path, stack_path=stack_path, collective_timeout=collective_timeout,
                           memory_limit_bytes=memory_limit_bytes, limits=limits, run_as=run_as,
-                          witnessed=witness is not None)
+                          witnessed=witness is not None, audit=audits[-1].writer, audit_token=audits[-1].token)
             proc = _CTX.Process(target=_rank_main, args=(config, conn_w, lifeline_r, ack_r), name=f"rank{rank}")
             ranks.append(_Rank(rank, proc, conn_r, out_path, stack_path))
             proc.start()
             conn_w.close()  # the rank holds the only write end now, so its death reads as EOF
+            audits[-1].started()
             if witness is not None:
                 ack_r.close()
                 ranks[-1].ack = ack_w
@@ -210,6 +215,7 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
     finally:
         # Whatever happened (a failure, a KeyboardInterrupt, pytest-timeout), nothing outlives the run.
         _kill_all(ranks)
+        publish_run(audits, ranks)  # every rank has ended: its audit channel too
         if run_as is not None:  # and nothing the body started outside its session (a detached daemon)
             kill_everything_of(run_as[0])
         for r in ranks:

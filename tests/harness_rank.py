@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from tests.harness_report import _LENGTH_BYTES, _first_line
+from tests import rank_audit
 from tests.rank_isolation import (apply_limits, close_inherited_fds, create_private, drop_privileges,
-                                   redirect_output, trace_task_calls, watch_lifeline)
+                                   explain_refusal, limits_note, redirect_output, trace_task_calls, watch_lifeline)
 
 _body_code = None  # the body's code object, once found: where a rank's traceback starts
 
@@ -31,7 +32,9 @@ _body_code = None  # the body's code object, once found: where a rank's tracebac
 def _rank_main(config: dict, conn, lifeline, ack=None) -> None:
     """A rank's whole life. It never returns: it ends with os._exit, so no atexit handler or leftover thread
     of the body can keep it alive or change its exit code."""
-    close_inherited_fds(keep={conn.fileno(), lifeline.fileno()} | ({ack.fileno()} if ack is not None else set()))
+    audit = config.get("audit")  # the audit channel's write end (tests/rank_audit.py)
+    close_inherited_fds(keep={conn.fileno(), lifeline.fileno()} | ({ack.fileno()} if ack is not None else set())
+                        | ({audit.fileno()} if audit is not None else set()))
     os.setsid()  # own process group: the parent kills it, and everything it spawns, with one killpg
     threading.Thread(target=watch_lifeline, args=(lifeline,), name="harness-lifeline", daemon=True).start()
     # Both files are created here, in the parent's directory (the rank user cannot write there), before the
@@ -41,6 +44,8 @@ def _rank_main(config: dict, conn, lifeline, ack=None) -> None:
     import faulthandler
     faulthandler.enable(file=sys.stderr, all_threads=True)  # segfaults, aborts: stacks into the output file
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
+    if audit is not None:  # before the test module, and so any submission code, is imported (_find_body)
+        rank_audit.install(audit.fileno(), config["audit_token"], config["rank_dir"])
     # The report is data for the parent to check, not a verdict: nothing here needs protecting from the body
     # (see the module docstring, step 4).
     fd = conn.fileno()
@@ -50,8 +55,13 @@ def _rank_main(config: dict, conn, lifeline, ack=None) -> None:
         status = {_BadResult: "bad-result", _PeerLost: "peer-lost", _GroupDestroyed: "group-destroyed"}[type(e)]
         message = {"kind": "error", "status": status, "type": type(e).__name__, "message": str(e), "traceback": ""}
     except BaseException as e:  # SystemExit and KeyboardInterrupt too: only a return counts
-        message = {"kind": "error", "status": "raised", "type": type(e).__name__, "message": str(e),
+        text, note = str(e), explain_refusal(e) or limits_note(str(e))  # a call the grader refuses, a limit it sets
+        if note:  # on the first line, which the failure message shows
+            first, newline, rest = text.partition("\n")
+            text = f"{first} ({note}){newline}{rest}"
+        message = {"kind": "error", "status": "raised", "type": type(e).__name__, "message": text,
                    "traceback": _format_traceback(e)}
+    rank_audit.finish()  # the audit's closing line, before the report: a channel that ends without it was silenced
     try:
         buf = io.BytesIO()
         torch.save(message, buf)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tests.rank_isolation import limits_note
+
 if TYPE_CHECKING:  # annotations only (harness_start imports the rooms that name _Rank)
     from tests.harness_start import _Rank
 
@@ -197,6 +199,8 @@ def _what_happened(r: _Rank, memory_limit_bytes: int | None) -> str:
             text += " (not by the harness: out of memory?)" + memory_note
         elif name == "SIGABRT":
             text += " (os.abort(), or a C++ exception / failed check in native code)" + memory_note
+            note = limits_note(_read_tail(r.out_path, 100_000))  # gloo could not start a thread: the grader's limits
+            text += f"; {note}" if note else ""
         elif name == "SIGSEGV":
             text += " (a segmentation fault in native code)"
         elif name == "SIGXFSZ":

@@ -29,13 +29,17 @@ import time
 # Address space a rank may reserve beyond its memory limit: a correct implementation reserves at most 63 MiB more
 # after the limit is set (measured over every public and hidden test); 4x that.
 MEMORY_AS_SLACK_BYTES = 256 << 20
-# Room for the process groups a correct design may create: one gloo group per unit of the largest model a graded
-# test builds (tests/hidden/scenarios/task5.py: 16 blocks and the root). A gloo group starts 3 threads, and each
-# thread's stack (the default thread stack size: 8 MiB here) counts against RLIMIT_DATA and RLIMIT_AS although
-# almost none of it is ever touched: 24 MiB of VmData and VmSize per group, nothing resident (measured, issue 32:
-# with no room, one group per unit failed with "Resource temporarily unavailable").
-GROUPS_ROOM = 17
+# Room for the process groups a correct design may create: one gloo group per unit, several models to a test (a
+# differential test shards two), with room to spare (issue 35: a design with one group per unit still failed with
+# "Resource temporarily unavailable" in two graded tests with 17 groups of room). A gloo group starts 3 threads,
+# and each thread's stack counts against RLIMIT_DATA and RLIMIT_AS although almost none of it is touched; at the
+# C library's default (8 MiB here) 64 groups would need 1.5 GiB of room beyond the memory limit. So threads started
+# after the limits are set get 1 MiB stacks (gloo's ran its collectives with 64 KiB, measured), and 64 groups need
+# 192 MiB. RLIMIT_NPROC counts every thread of the rank user: grade.py's RANK_MAX_PROCESSES leaves room for four
+# ranks of 64 groups each, twice over (two gradings at once share the rank user).
+GROUPS_ROOM = 64
 THREADS_PER_GLOO_GROUP = 3
+THREAD_STACK_BYTES = 1 << 20
 
 
 def thread_stack_bytes() -> int:
@@ -53,9 +57,37 @@ def thread_stack_bytes() -> int:
     return soft if 0 < soft != resource.RLIM_INFINITY else 8 << 20
 
 
+def set_thread_stack_bytes(size: int) -> None:
+    """The stack every thread started from now on reserves, unless it asks for its own (glibc's default attributes;
+    gloo's and torch's std::thread and Python's threads use them)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        attr = ctypes.create_string_buffer(256)
+        if libc.pthread_getattr_default_np(attr) == 0 and \
+                libc.pthread_attr_setstacksize(attr, ctypes.c_size_t(size)) == 0:
+            libc.pthread_setattr_default_np(attr)
+    except (OSError, AttributeError):
+        pass
+
+
 def groups_room_bytes() -> int:
     """What GROUPS_ROOM gloo groups reserve (their threads' stacks and guard pages), beyond any memory limit."""
     return GROUPS_ROOM * THREADS_PER_GLOO_GROUP * (thread_stack_bytes() + 4096)
+
+
+def limits_note(text: str) -> str:
+    """What to tell a student whose rank could not start a thread: EAGAIN ("Resource temporarily unavailable") in
+    a traceback, or a C++ abort while a process group was being made (gloo's constructor, its thread half-started,
+    ends in "terminate called without an active exception"); else ""."""
+    if "Resource temporarily unavailable" not in text and not ("terminate called" in text and "new_group" in text):
+        return ""
+    nproc = os.environ.get("FSDP_RANK_MAX_PROCESSES", "").strip()
+    return (f"a thread could not start: the grader's limits were reached (room for {GROUPS_ROOM} process groups "
+            f"per rank beyond its memory limit, {THREADS_PER_GLOO_GROUP} threads of "
+            f"{THREAD_STACK_BYTES >> 10} KiB stack each" + (f"; {nproc} threads for all ranks together, "
+                                                          f"RLIMIT_NPROC" if nproc else "") +
+            "): create fewer process groups or threads (one group per unit fits)")
 
 
 def grader_settings(timeout: float, collective_timeout: float, memory_limit_bytes: int | None):
@@ -167,6 +199,7 @@ def apply_limits(memory_limit_bytes: int | None, limits: dict) -> None:
             libc.mallopt(-8, 2)  # M_ARENA_MAX = 2
         except (OSError, AttributeError):
             pass
+        set_thread_stack_bytes(THREAD_STACK_BYTES)  # before the room is measured (GROUPS_ROOM)
         with open("/proc/self/status") as f:
             status = {line.split(":")[0]: int(line.split()[1]) for line in f if line.startswith(("VmData:",
                                                                                                 "VmSize:"))}
@@ -193,58 +226,107 @@ def apply_limits(memory_limit_bytes: int | None, limits: dict) -> None:
 # /dev/shm files against a 2 GiB limit): memfd_create and memfd_secret; and new namespaces (unshare, setns, clone
 # with a CLONE_NEW* flag), in which a rank could mount a private tmpfs or hide its processes. The grader counts
 # shared memory as a whole anyway (staff/autograder/student_limits.py); refusing these makes it plain.
-# Ranks share nothing but the process group (issue 32): no reading or writing another process's memory (ptrace,
-# process_vm_readv/writev; /proc/<pid>/mem needs the target dumpable, and a rank is not after it drops to the rank
-# user, so prctl(PR_SET_DUMPABLE) and Yama's PR_SET_PTRACER, which would open it, are refused too), no kernel
-# keyring (add_key, request_key, keyctl: a key outlives the run, and no cleanup step can see it) and no io_uring
-# (its reads and writes are no write() calls, so the witness's byte count would miss them).
+# Ranks share nothing but the process group (issues 32 and 35): no reading or writing another process's memory
+# (ptrace, process_vm_readv/writev; /proc/<pid>/mem needs the target dumpable, and a rank is not after it drops to
+# the rank user, so prctl(PR_SET_DUMPABLE) and Yama's PR_SET_PTRACER, which would open it, are refused too), no
+# kernel keyring (add_key, request_key, keyctl: a key outlives the run, and no cleanup step can see it), no io_uring
+# (its reads and writes are no write() calls, so the witness's byte count would miss them); no unix sockets (an
+# abstract one needs no file: socket(AF_UNIX), socketpair), no System V IPC, no POSIX message queue, no
+# userfaultfd; no new process (fork, vfork, a clone without CLONE_THREAD: its memory would be no rank's, and it
+# could outlive the run; threads still start, gloo and torch need them); no signal to another process (kill,
+# tkill, tgkill and pidfd_open name a pid, allowed only for the rank itself, its process group after setsid, or 0;
+# pidfd_send_signal and pidfd_getfd take a descriptor a /proc/<pid> directory can stand for: refused).
 # Per architecture: (AUDIT_ARCH, {name: number}); clone3's flags sit in memory a filter cannot read, so it gets
 # ENOSYS and the C library falls back to clone, whose flags it can.
 _SYSCALLS = {
     "x86_64": (0xC000003E, dict(clone=56, unshare=272, setns=308, memfd_create=319, clone3=435, memfd_secret=447,
                                 seccomp=317, prctl=157, ptrace=101, process_vm_readv=310, process_vm_writev=311,
                                 add_key=248, request_key=249, keyctl=250, io_uring_setup=425, io_uring_enter=426,
-                                io_uring_register=427)),
+                                io_uring_register=427, fork=57, vfork=58, socket=41, socketpair=53, shmget=29,
+                                shmat=30, shmctl=31, semget=64, semop=65, semctl=66, msgget=68, msgsnd=69,
+                                msgrcv=70, msgctl=71, semtimedop=220, mq_open=240, userfaultfd=323, kill=62,
+                                tkill=200, tgkill=234, pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438)),
     "aarch64": (0xC00000B7, dict(clone=220, unshare=97, setns=268, memfd_create=279, clone3=435, memfd_secret=447,
                                  seccomp=277, prctl=167, ptrace=117, process_vm_readv=270, process_vm_writev=271,
                                  add_key=217, request_key=218, keyctl=219, io_uring_setup=425, io_uring_enter=426,
-                                 io_uring_register=427)),
+                                 io_uring_register=427, socket=198, socketpair=199, shmget=194, shmctl=195,
+                                 shmat=196, semget=190, semctl=191, semtimedop=192, semop=193, msgget=186,
+                                 msgctl=187, msgrcv=188, msgsnd=189, mq_open=180, userfaultfd=282, kill=129,
+                                 tkill=130, tgkill=131, pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438)),
 }
 _REFUSED = ("unshare", "setns", "memfd_create", "memfd_secret", "ptrace", "process_vm_readv", "process_vm_writev",
-            "add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter", "io_uring_register")
+            "add_key", "request_key", "keyctl", "io_uring_setup", "io_uring_enter", "io_uring_register", "fork",
+            "vfork", "socketpair", "shmget", "shmat", "shmctl", "semget", "semop", "semctl", "semtimedop", "msgget",
+            "msgsnd", "msgrcv", "msgctl", "mq_open", "userfaultfd", "pidfd_send_signal", "pidfd_getfd")
 _CLONE_NEW_ANY = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+_CLONE_THREAD = 0x00010000
+_AF_UNIX = 1
 _PR_SET_DUMPABLE, _PR_SET_PTRACER = 4, 0x59616D61  # prctl options refused (its others, thread names etc., are not)
+# What a rank is told when it makes one of these calls (tests/harness.py adds it to an EPERM's message).
+REFUSED_NOTE = ("the grader refuses this system call in a rank: ranks share nothing but their process group (no "
+                "new process: fork, subprocess, os.system; no unix socket, System V IPC, message queue, "
+                "userfaultfd or memfd; no signal to another process); threads, files in the rank's folder and "
+                "torch.distributed are fine")
+_filter_installed = False
+
+
+def _filter_program(audit_arch: int, nr: dict, pid: int) -> list[tuple]:
+    """The BPF program: (code, jump if true, jump if false, k), jumps given as labels and resolved at the end.
+    seccomp_data is {int nr; u32 arch; u64 ip; u64 args[6]}: args[i]'s low 32 bits at 16 + 8 i."""
+    LD_W_ABS, JEQ, JSET, RET = 0x20, 0x15, 0x45, 0x06
+    ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    arg0 = (LD_W_ABS, 0, 0, 16)
+    own = [pid, 0, -pid & 0xFFFFFFFF]  # itself, its process group (0, or -pgid: a rank is its group's leader)
+    code: list = [
+        (LD_W_ABS, 0, 0, 4), (JEQ, 0, "deny", audit_arch),  # another ABI (i386 on x86_64): no
+        (LD_W_ABS, 0, 0, 0), (JSET, "deny", 0, 0x40000000),  # x32 numbers: no
+        (JEQ, "enosys", 0, nr["clone3"]),
+        (JEQ, "clone", 0, nr["clone"]),
+        (JEQ, "prctl", 0, nr["prctl"]),
+        (JEQ, "socket", 0, nr["socket"]),
+        (JEQ, "kill", 0, nr["kill"]),
+        (JEQ, "self", 0, nr["tkill"]), (JEQ, "self", 0, nr["tgkill"]), (JEQ, "self", 0, nr["pidfd_open"]),
+    ]
+    code += [(JEQ, "deny", 0, nr[name]) for name in _REFUSED if name in nr]  # (aarch64 has no fork or vfork)
+    code += [
+        (RET, 0, 0, ALLOW),
+        "clone", arg0, (JSET, "deny", 0, _CLONE_NEW_ANY), (JSET, "allow", "deny", _CLONE_THREAD),
+        "prctl", arg0, (JEQ, "deny", 0, _PR_SET_DUMPABLE), (JEQ, "deny", "allow", _PR_SET_PTRACER),
+        "socket", arg0, (JEQ, "deny", "allow", _AF_UNIX),
+        "kill", arg0, (JEQ, "allow", 0, own[1]), (JEQ, "allow", 0, own[2]), (JEQ, "allow", "deny", own[0]),
+        "self", arg0, (JEQ, "allow", "deny", pid),
+        "enosys", (RET, 0, 0, ENOSYS),
+        "allow", (RET, 0, 0, ALLOW),
+        "deny", (RET, 0, 0, EPERM),
+    ]
+    labels, at = {}, 0
+    for item in code:
+        if isinstance(item, str):
+            labels[item] = at
+        else:
+            at += 1
+    program = []
+    for item in (i for i in code if not isinstance(i, str)):
+        here = len(program) + 1  # jumps count from the next instruction, forward only
+        op, jt, jf, k = item
+        program.append((op, labels[jt] - here if isinstance(jt, str) else jt,
+                        labels[jf] - here if isinstance(jf, str) else jf, k))
+    return program
 
 
 def refuse_hidden_memory() -> str:
     """Install a seccomp filter on every thread of this process (and so on everything it starts): the calls
-    above fail with EPERM (clone3 with ENOSYS; prctl only for the two options above), everything else is
-    allowed. Returns "" when installed, else why not (another architecture, a kernel or container without
-    seccomp): then the memory count alone applies."""
+    above fail with EPERM (clone3 with ENOSYS; prctl, clone, socket and the signals only as said above),
+    everything else is allowed. Returns "" when installed, else why not (another architecture, a kernel or
+    container without seccomp): then the memory count alone applies."""
     import ctypes
     import platform
     import struct
+    global _filter_installed
     arch = _SYSCALLS.get(platform.machine())
     if arch is None:
         return f"memfd_create and unshare are not refused on {platform.machine()} (no system call table here)"
-    audit_arch, nr = arch
-    LD_W_ABS, JEQ, JSET, RET = 0x20, 0x15, 0x45, 0x06
-    ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    # (code, jump if true, jump if false, k): seccomp_data is {int nr; u32 arch; u64 ip; u64 args[6]}
-    program = [
-        (LD_W_ABS, 0, 0, 4), (JEQ, 1, 0, audit_arch), (RET, 0, 0, EPERM),  # another ABI (i386 on x86_64): no
-        (LD_W_ABS, 0, 0, 0), (JSET, 0, 1, 0x40000000), (RET, 0, 0, EPERM),  # x32 numbers: no
-        (JEQ, 0, 1, nr["clone3"]), (RET, 0, 0, ENOSYS),
-        (JEQ, 0, 3, nr["clone"]), (LD_W_ABS, 0, 0, 16), (JSET, 0, 1, _CLONE_NEW_ANY), (RET, 0, 0, EPERM),
-        (LD_W_ABS, 0, 0, 0),
-        # prctl: its first argument (the low 32 bits of args[0], at offset 16) decides
-        (JEQ, 0, 5, nr["prctl"]), (LD_W_ABS, 0, 0, 16), (JEQ, 2, 0, _PR_SET_DUMPABLE), (JEQ, 1, 0, _PR_SET_PTRACER),
-        (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM),
-    ]
-    refused = [nr[n] for n in _REFUSED]
-    for i, number in enumerate(refused):  # each: jump to the EPERM at the end, else fall through to the next
-        program.append((JEQ, len(refused) - i, 0, number))
-    program += [(RET, 0, 0, ALLOW), (RET, 0, 0, EPERM)]
+    program = _filter_program(*arch, os.getpid())
     raw = b"".join(struct.pack("HBBI", *ins) for ins in program)
     buf = ctypes.create_string_buffer(raw)
 
@@ -254,9 +336,21 @@ def refuse_hidden_memory() -> str:
     libc = ctypes.CDLL(None, use_errno=True)
     PR_SET_NO_NEW_PRIVS, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC = 38, 1, 1
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or \
-            libc.syscall(ctypes.c_long(nr["seccomp"]), SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC,
+            libc.syscall(ctypes.c_long(arch[1]["seccomp"]), SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC,
                          ctypes.byref(prog)) != 0:
         return f"memfd_create and unshare are not refused here: seccomp failed ({os.strerror(ctypes.get_errno())})"
+    _filter_installed = True
+    return ""
+
+
+def explain_refusal(error: BaseException) -> str:
+    """REFUSED_NOTE for an EPERM raised in a rank under the filter (PermissionError, or torch's and ctypes'
+    "Operation not permitted"), else ""."""
+    import errno
+    if not _filter_installed:
+        return ""
+    if getattr(error, "errno", None) == errno.EPERM or "Operation not permitted" in str(error):
+        return REFUSED_NOTE
     return ""
 
 

@@ -292,6 +292,9 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
         f"after it began are not run (--budget); {load_note()}")
     cmd = pytest_command(tree, results, budget, extra, notes)
     env = grading_env(tree, user, memory_mb, timeout_cap)
+    audit_log = results.parent / "audit.jsonl"  # the ranks' runtime audit, this run's alone (tests/rank_audit.py)
+    audit_log.unlink(missing_ok=True)
+    env["FSDP_AUDIT_LOG"] = str(audit_log)  # written by the pytest process (root), never by a rank
     # The run's own TMPDIR: every run_ranks folder (fsdp-ranks-*, with each rank's TMPDIR in it) and pytest's
     # temporary folders are made in it, so whatever a rank leaves there (a run killed before its own clean-up, a
     # tree too deep for a recursive remover) is removed below with the run, not left in the machine's /tmp.
