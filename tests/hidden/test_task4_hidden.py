@@ -39,7 +39,7 @@ def test_gradients_accumulate_over_backward_passes():
     # Two backwards: nested units (an inner unit alive inside its block's), each gathered twice and reduce-scattered
     # once a backward.
     units = [p for i in range(3) for p in (f"blocks.{i}.inner.", f"blocks.{i}.")] + ["unused.", ""]
-    witness = witness_for(lambda: ToyMLP(with_unused=True), units, world_size, unsharded=3, full_grads=2, moved=6)
+    witness = witness_for(lambda: ToyMLP(with_unused=True), units, world_size, unsharded=3, full_grads=2, moved=8)
     results = run_ranks(_two_backwards, world_size, timeout=30, witness=witness)
     torch.manual_seed(0)
     model = ToyMLP(with_unused=True)

@@ -139,7 +139,7 @@ def test_prefetch_with_a_block_run_twice_keeps_two_units_unsharded():
     expected = _train_reordered_single_process(world_size, TWICE)
     full = full_params_of(expected)
     # Block 0 runs twice a step: up to two more gathers of it, and one more unit alive (its second run's).
-    witness = _prefetch_witness(world_size, unsharded=4, moved=len(TWICE) * 5)
+    witness = _prefetch_witness(world_size, unsharded=4, moved=len(TWICE) * 4)
     for rank, got in enumerate(run_ranks(_reorder, world_size, TWICE, witness=witness)):
         for step, worst in got["max_unsharded"].items():
             assert worst <= 2, (
