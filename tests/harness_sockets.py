@@ -12,8 +12,8 @@ queue's), which no page table shows.
 A socket's counters live as long as the socket: the parent keeps, per socket, the most it read, so a socket closed
 between two readings counts up to the last reading before it closed. gloo's own sockets stay open until the
 closing barrier, and the rank asks for a reading just before it (harness_rank: an empty frame after the body
-returns), so a body's collectives are all read; a socket the body opens, uses and closes within one reading's
-interval (10 ms) is not (wchar, the second opinion, sees writes to it).
+returns), so a body's collectives are all read; a socket the body opens, uses and closes between two listings of
+its sockets (50 ms apart) is not (wchar, the second opinion, sees write() to it, not send()).
 
 Where the kernel refuses sock_diag (a container without it), ``SocketTable.open()`` returns None and the witness
 falls back to ``wchar`` (and says so in its failure).
@@ -41,7 +41,7 @@ UNIX_DIAG_MSG_BYTES = 16  # struct unix_diag_msg: family, type, state, pad, inod
 # Every TCP state but TIME_WAIT (6), LISTEN (10) and SYN_RECV (3): those hold no data and no descriptor, and a
 # busy machine has hundreds in TIME_WAIT (each dump walks them all: 2.8 ms for 666 sockets, 0.7 ms without).
 TCP_STATES = 0xFFFFFFFF & ~((1 << 6) | (1 << 10) | (1 << 3))
-SOCKETS_EVERY_S = 0.020  # the most often the parent asks the kernel for every socket's counters
+SOCKETS_EVERY_S = 0.050  # the most often the parent asks the kernel for every socket's counters (a dump: ~1 ms)
 
 
 class SocketTable:
