@@ -58,7 +58,10 @@ class Witness:
     shared and tmpfs pages it does not map (its memory cgroup, else /proc: files it holds open or mapped, files it
     left in /dev/shm, SysV segments it made; tests/rank_cgroup.py), its forked children's own pages, and its
     sockets' buffers (TCP, and unix ones without a cgroup) beyond WITNESS_SOCKET_BUFFER_BYTES (gloo's own hold up
-    to 4.2 MiB a peer in a 16 MiB all-gather).
+    to 4.2 MiB a peer in a 16 MiB all-gather, 3.8-6.9 MiB at a reading of the witnessed Task 7 step).
+    What watching costs (the witnessed Task 7 body, W=2, 3 runs each, load 11-13): 4.0-5.0 s a run without a
+    witness, 6.0-7.5 s with one; the parent's sampling is 0.70-0.84 s of CPU of that, the rest is the ranks'
+    (glibc unmapping every freed block of 1 MiB or more, the warm-up, the waits for the parent's readings).
     sent_bytes: how many bytes each rank may send to its peers, counted at its sockets from the start of its body
     to its closing barrier (harness_sockets: TCP's own counters, through sock_diag; what the kernel says the rank
     wrote to each socket), plus WITNESS_SETUP_SENT_BYTES. Measured (W=2, gloo, N = 4 Mi fp32 elements): an
