@@ -105,8 +105,8 @@ class Witness:
                 elif m["peak_abs_bytes"] > m["first_bytes"] + WITNESS_START_ALLOWANCE_BYTES + self.peak_bytes:
                     problems.append(
                         f"{where}: the kernel saw its resident memory peak at {_mib(m['peak_abs_bytes'])}, more "
-                        f"than the rank held just after it started ({_mib(m['first_bytes'])}) + what setting up may take "
-                        f"({_mib(WITNESS_START_ALLOWANCE_BYTES)}) + this test's bound ({_mib(self.peak_bytes)})")
+                        f"than the rank held just after it started ({_mib(m['first_bytes'])}) + what setting up may "
+                        f"take ({_mib(WITNESS_START_ALLOWANCE_BYTES)}) + this test's bound ({_mib(self.peak_bytes)})")
             if self.sent_bytes is not None:
                 problems += _sent_problems(where, m, self.sent_bytes)
         if problems:
