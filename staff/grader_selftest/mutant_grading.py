@@ -41,6 +41,8 @@ TASK_FILES = {1: "task1_meta_init.py", 2: "task2_flat_param.py", 3: "task3_forwa
 NEW_TESTS: dict[str, dict] = {
     "tests/hidden/test_task1_mutant_kills.py::test_state_already_off_meta_is_kept":
         {"seconds": 0.3, "calls": ["task1_meta_init.py:materialize_meta_module"]},
+    # issue 37's public tests, traced (new_test_calls.json says how)
+    **json.loads((Path(__file__).with_name("new_test_calls.json")).read_text())["tests"],
 }
 
 
