@@ -220,11 +220,15 @@ def install(write_fd: int, token: str, rank_dir: str, tree: str = _TREE) -> None
             return not args or path_ok(args[0] if args[0] is not None else ".", False)
         return all(path_ok(p, True) for p in tuple(args)[:2])  # (a mode or a descriptor there: not a path)
 
+    rules = dict(_RULES)  # event -> rule, or None once an event is known to be of no interest (the hot path)
+
     def hook(event, args):
-        rule = _RULES.get(event)
+        rule = rules.get(event, 0)
         if rule is None:
+            return
+        if rule == 0:
             dot = event.find(".")
-            rule = _PREFIX_RULES.get(event[:dot]) if dot > 0 else None
+            rule = rules[event] = _PREFIX_RULES.get(event[:dot]) if dot > 0 else None
             if rule is None:
                 return
         me = _ident()
