@@ -8,8 +8,11 @@ that keep a rank from harming the machine or the grader, all applied inside the 
 - ``close_inherited_fds``, ``create_private``, ``redirect_output``: a rank starts with no descriptor of the
   grader's and writes its output and stacks into files it cannot swap for links.
 - ``watch_lifeline``: the rank kills its own process group when the pytest process goes away.
-- ``apply_limits``, ``drop_privileges``: hard rlimits (and, grading as root, the system calls a rank may not
-  make: ``refuse_hidden_memory``), then the rank user, right before the body.
+- ``apply_limits``, ``drop_privileges``: hard rlimits (room for 64 process groups' threads), and, grading as
+  root, the system calls a rank may not make (``refuse_hidden_memory``: memory the grader could not count, and
+  every channel to another process but the process group: new processes, unix sockets, System V IPC, message
+  queues, userfaultfd, signals to other pids), then the rank user with umask 077, right before the body.
+  ``explain_refusal`` and ``limits_note`` say so when a refused call or a limit fails a rank.
 - ``kill_everything_of``: the harness ends every process of the rank user after each run, so nothing a body
   started (a daemon that left its session) outlives it into the next run (the FSDP2 run a test compares with).
 - ``trace_task_calls``: staff measurement (which task functions a test calls; measure_times.py).
@@ -173,6 +176,7 @@ def drop_privileges(uid: int, gid: int) -> None:
     os.setgid(gid)
     os.setuid(uid)
     os.environ["HOME"] = os.environ.get("TMPDIR") or tempfile.gettempdir()
+    os.umask(0o077)  # what the body creates in a shared place (/tmp, /dev/shm) is its own user's alone
 
 
 def apply_limits(memory_limit_bytes: int | None, limits: dict) -> None:
