@@ -98,7 +98,8 @@ REACHES = {  # function: (event, its line within the function: 1 is the def line
     "frame_through_a_traceback": ("object.__getattr__", 5), "every_object": ("gc.get_objects", 2),
     "referrers": ("gc.get_referrers", 2), "native": ("ctypes.dlopen", 2), "native_by_name": ("ctypes.dlopen", 2),
     "unmarshal": ("marshal.loads", 2), "unpickle": ("pickle.find_class", 2), "evaluate": ("compile", 2),
-    "outside_import": ("import", 2), "proc": ("open", 2), "outside_file": ("open", 2), "proc_listing": ("os.listdir", 2),
+    "outside_import": ("import", 2), "proc": ("open", 2), "outside_file": ("open", 2),
+    "proc_listing": ("os.listdir", 2),
     "a_socket": ("socket.__new__", 2), "signal": ("os.kill", 2), "trace": ("sys.settrace", 2),
     "profile": ("sys.setprofile", 2), "another_hook": ("sys.addaudithook", 2), "new_code": ("object.__setattr__", 4),
     "disguise": ("object.__setattr__", 3), "environment": ("os.putenv", 2), "shared_memory": ("mmap.__new__", 2),
@@ -171,7 +172,8 @@ def test_each_reach_is_reported_with_its_line_and_the_test_passes(monkeypatch, t
     assert run_ranks(_reach_everything, 1) == [True]  # the audit reports; it never fails the run
     found = _findings(log)
     reported = {(f["line"], f["what"].split("(")[0]) for f in found}
-    missing = [name for name, (event, offset) in REACHES.items() if (_line_of(name) + offset - 1, event) not in reported]
+    missing = [name for name, (event, offset) in REACHES.items()
+               if (_line_of(name) + offset - 1, event) not in reported]
     assert not missing, f"not reported: {missing}; reported: {sorted(reported)}"
     for f in found:
         assert f["file"] == "fsdp_assignment/task9_audit_probe.py" and f["source"] == "runtime" and f["rank"] == 0

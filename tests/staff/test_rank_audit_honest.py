@@ -39,7 +39,8 @@ def test_a_reach_in_a_task_file_is_reported_with_its_line(tmp_path):
     rel = "fsdp_assignment/task3_forward.py"
     files[rel] = files[rel].rstrip("\n") + "\nimport sys as _sys; _sys._getframe(0)\n"
     line = files[rel].count("\n")
-    found = {(f["file"], f["line"], f["kind"], f["what"].split("(")[0]) for f in _graded(files, tmp_path, "audit-reach")}
+    findings = _graded(files, tmp_path, "audit-reach")
+    found = {(f["file"], f["line"], f["kind"], f["what"].split("(")[0]) for f in findings}
     assert found == {(rel, line, "frames", "sys._getframe")}, found
 
 
