@@ -381,9 +381,13 @@ def _block_output_loss(rank, world_size):
             "full_grads_alive": full_grads_alive, "mon": mon.report()}
 
 
+@pytest.mark.evidence("memory")
 def test_loss_from_a_block_output_the_root_does_not_return():
     world_size = 2
-    results = run_ranks(_block_output_loss, world_size)
+    # Memory only (no byte count is decided here): the units a loss that skips some of them gathers are each design's.
+    witness = witness_for(lambda: GPT(GPTConfig()), GPT_UNITS, world_size)
+    witness.sent_bytes = None
+    results = run_ranks(_block_output_loss, world_size, witness=witness)
     cfg = GPTConfig()
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -434,11 +438,13 @@ def _shared_input(rank, world_size):
             "full_grads_alive": full_grads_alive, "monitor": mon.report()}
 
 
+@pytest.mark.evidence("bytes", "memory")
 def test_a_unit_whose_input_an_earlier_unit_also_reads():
     # Each unit is resharded as soon as its own backward is done (the monitor's unsharded-bound: one non-root
     # unit at a time), although the input it read is also read by the unit that ran before it.
     world_size = 2
-    results = run_ranks(_shared_input, world_size)
+    witness = witness_for(SharedInput, SHARED_UNITS, world_size, moved=3)  # gathered twice, reduce-scattered once
+    results = run_ranks(_shared_input, world_size, witness=witness)
     torch.manual_seed(0)
     model = SharedInput()
     x = torch.randn(3 * world_size, 13, generator=torch.Generator().manual_seed(1))
@@ -523,9 +529,13 @@ def _after_backward(model):
                                  for fp in u.flat_params if fp.unsharded.grad is not None]}
 
 
+@pytest.mark.evidence("memory")
 def test_one_output_of_several_a_unit_run_twice_a_detached_output_and_an_evaluation_forward():
     world_size = 2
-    results = run_ranks(_hard_cases, world_size)
+    # Four small models one after the other, the GPT the largest (memory only: no byte count is decided here).
+    witness = witness_for(lambda: GPT(GPTConfig()), GPT_UNITS, world_size, models=4, unsharded=len(GPT_UNITS))
+    witness.sent_bytes = None
+    results = run_ranks(_hard_cases, world_size, witness=witness)
     for name, (make, units, inputs) in _hard_case_models().items():
         torch.manual_seed(0)
         model = make()

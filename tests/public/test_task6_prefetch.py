@@ -247,9 +247,14 @@ def _skip_a_prefetched_unit(rank, world_size):
     return {"unsharded": unsharded, "unwaited": unwaited, "most": most, "flat": describe_flat_params(model)}
 
 
+@pytest.mark.evidence("memory")
 def test_prefetch_with_a_skipped_unit_and_a_unit_run_twice():
     world_size = 2
-    results = run_ranks(_skip_a_prefetched_unit, world_size)
+    # Memory only (a skipped or repeated unit changes what is gathered): three units unsharded at most, SGD's step.
+    witness = witness_for(lambda: SkippingGPT(CFG), GPT_UNITS, world_size, unsharded=3,
+                          overhead_bytes=WITNESS_PEAK_OVERHEAD_HEAVY_BYTES)
+    witness.sent_bytes = None
+    results = run_ranks(_skip_a_prefetched_unit, world_size, witness=witness)
     torch.manual_seed(0)
     expected = SkippingGPT(CFG)
     optim = torch.optim.SGD(expected.parameters(), lr=0.1)
