@@ -63,10 +63,10 @@ can be imported and tested alone (tests/harness_*.py; the rank's limits and isol
 6. At `timeout`, the parent sends SIGUSR1 to every live rank, waits for their stack dumps, kills them, and
    raises RankFailure with every hung rank's stacks.
 
-7. Memory and communication, where a test bounds them (``witness=Witness(peak_bytes=..., sent_bytes=...)``),
-   are read from the kernel by the parent while the ranks run: each rank's VmHWM/VmRSS (/proc/<pid>/status),
-   what it holds beyond its page tables (its cgroup or /proc: tmpfs, SysV, its children, its sockets' buffers),
-   and the bytes it sent at its sockets (TCP's counters through sock_diag; ``wchar`` in /proc/<pid>/io as a
+7. Memory and communication are read from the kernel by the parent while the ranks run, in every run alike
+   (nothing a rank can read tells a run a test bounds, ``witness=Witness(peak_bytes=..., sent_bytes=...)``, from
+   one it does not): each rank's VmHWM/VmRSS (/proc/<pid>/status), what it holds beyond its page tables (its
+   cgroup or /proc: tmpfs, SysV, its children, its sockets' buffers), and the bytes it sent at its sockets (TCP's counters through sock_diag; ``wchar`` in /proc/<pid>/io as a
    second opinion). The rank says when its body starts and when it returned (an empty frame on its pipe each
    time, and it waits for the parent's reading: its baseline, then its sockets before the closing barrier closes
    them) and, after its report, waits for the parent's last reading before it exits. Whatever the rank's own
@@ -171,7 +171,11 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
         witness.measured = []
     # The kernel's per-socket counters (NETLINK_SOCK_DIAG), one dump per reading for the whole run; None where the
     # kernel refuses them (the witness then counts bytes with wchar, and says so).
-    sockets = SocketTable.open() if witness is not None else None
+    # Every run is watched alike, with a Witness or without: nothing a rank can read (its config, its descriptors,
+    # /proc/self/cgroup, its environment) tells a run whose memory and bytes decide from one whose do not (issue 35
+    # item 4). Only the bounds are the test's.
+    watched = True
+    sockets = SocketTable.open() if watched else None
     ranks: list[_Rank] = []
     audits: list[AuditChannel] = []  # each rank's runtime audit channel (tests/rank_audit.py)
     failure = None
@@ -179,7 +183,7 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
         for rank in range(world_size):
             conn_r, conn_w = _CTX.Pipe(duplex=False)
             audits.append(AuditChannel(_CTX))
-            ack_r, ack_w = _CTX.Pipe(duplex=False) if witness is not None else (None, None)
+            ack_r, ack_w = _CTX.Pipe(duplex=False) if watched else (None, None)
             out_path = os.path.join(run_dir, f"rank{rank}.out")
             stack_path = os.path.join(run_dir, f"rank{rank}.stacks")
             config = dict(rank=rank, world_size=world_size, backend=backend, body_ref=body_ref,
@@ -192,7 +196,7 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
             proc.start()
             conn_w.close()  # the rank holds the only write end now, so its death reads as EOF
             audits[-1].started()
-            if witness is not None:
+            if watched:
                 ack_r.close()
                 ranks[-1].ack = ack_w
                 # Its own memory cgroup, joined before its body runs (it waits for our reading first), where this
@@ -207,10 +211,11 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
             os.set_blocking(conn_r.fileno(), False)  # read in pieces, never waiting on a rank (_read_report)
         failure = _collect(ranks, deadline=time.monotonic() + timeout, timeout=timeout,
                            memory_limit_bytes=memory_limit_bytes)
-        if witness is not None:
+        if watched:
             for r in ranks:  # a failed run is read to its end too: every rank still alive, once more, before the kill
                 if not r.kernel.final:
                     r.kernel.sample(final=True)
+        if witness is not None:
             witness.measured = [r.kernel.figures(r, run_failed=failure is not None) for r in ranks]
     finally:
         # Whatever happened (a failure, a KeyboardInterrupt, pytest-timeout), nothing outlives the run.

@@ -236,7 +236,7 @@ class _KernelSamples:
         if relist:
             # Its forked children (and theirs), whose memory no page table of the rank shows: what each holds of
             # its own (pages it shares with the rank since the fork are the rank's, counted in its VmHWM).
-            self.pids = rank_processes(self.pid, whole_session=self.listings % 20 == 0)  # the walk: every 1 s
+            self.pids = rank_processes(self.pid, whole_session=self.listings % 20 == 19)  # the walk: every 1 s
             self.children_bytes = sum(private_bytes(child) for child in self.pids[1:])
             self.listed_at, self.listings = now, self.listings + 1
         if self.sockets is not None:
