@@ -190,7 +190,7 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
                           args_blob=args_blob, env=env, rank_dir=rank_dir,
                           out_path=out_path, stack_path=stack_path, collective_timeout=collective_timeout,
                           memory_limit_bytes=memory_limit_bytes, limits=limits, run_as=run_as,
-                          witnessed=witness is not None, audit=audits[-1].writer, audit_token=audits[-1].token)
+                          witnessed=watched, audit=audits[-1].writer, audit_token=audits[-1].token)
             proc = _CTX.Process(target=_rank_main, args=(config, conn_w, lifeline_r, ack_r), name=f"rank{rank}")
             ranks.append(_Rank(rank, proc, conn_r, out_path, stack_path))
             proc.start()
