@@ -68,7 +68,7 @@ def ci_mutants() -> list:
     """The mutants CI grades: the first mutant of each hidden or bonus target (every such test shown to catch a
     real bug), every mutant that seeds a bug an issue named, and every mutant added for issue 25 (m50 on: the
     switched-off features and the paths nobody graded; issue 37's m80-m82, each killed by a public test it added:
-    about 40 s each). 60 of 104, about 10 of CI's minutes instead of 20; the others differ from these only in where
+    43-147 s each at load 7-14). 60 of 104, about 10 of CI's minutes instead of 20; the others differ from these only in where
     the edit sits. `python -m staff.grader_selftest.mutations` grades all of them (README, "Staff commands outside
     CI")."""
     first_of_target: dict[str, str] = {}
