@@ -137,10 +137,12 @@ CASES: list[Case] = [
          # not test_units_are_resharded_after_forward_and_backward: its 9 units would leak 9 gloo groups, ~110 MiB
          # of address space each, past RLIMIT_AS
          select=f"{ACCUMULATE} or {SIBLING}", fine=(ACCUMULATE, SIBLING)),
-    Case("escaped_child", "starts a child process in its own session that outlives the rank (results correct)",
+    Case("escaped_child", "starts a child process in its own session that would outlive the rank (results correct): "
+         "a graded rank may start no process (issue 35), so the test fails with the grader's reason",
          edits=(_insert(7, "    if isinstance(module, FSDPModule):\n",
                         "    import subprocess\n    subprocess.Popen(['sleep', '600'], start_new_session=True)\n"),),
-         select=f"{SIBLING}", fine=(SIBLING,), needs_rank_user=True),
+         select=f"{SIBLING}", broken=(SIBLING,), message=r"the grader refuses this system call in a rank",
+         needs_rank_user=True),
     # Issue 14: forged passes, leaks of hidden tests, isolation, messages.
     Case("forged_pass", "walks the stack to the harness's rank main, takes the result connection (and the nonce "
          "it once held), sends 'ok' with a result of its own and leaves (the forgery that scored a stub 8.02)",
@@ -211,11 +213,13 @@ CASES: list[Case] = [
          "in every later teardown scored the reference 35.79)",
          edits=(_insert(7, "    if isinstance(module, FSDPModule):\n", "    _zoo_deep_tree()\n"),),
          select=f"{ACCUMULATE} or {SIBLING}", fine=(ACCUMULATE, SIBLING), needs_rank_user=True),
-    Case("detached_daemon", "rank 0 leaves a daemon (double fork, setsid) that, once its rank has ended, SIGKILLs "
-         "every process of its user: the FSDP2 run the differential test makes next (results correct)",
+    Case("detached_daemon", "rank 0 tries to leave a daemon (double fork, setsid) that, once its rank has ended, "
+         "SIGKILLs every process of its user: the FSDP2 run the differential test makes next (results correct); a graded "
+         "rank may start no process (issue 35), so the test fails with the grader's reason and nothing is left",
          edits=(_insert(7, "    if isinstance(module, FSDPModule):\n", "    _zoo_daemon()\n"),),
-         select="test_generated_scripts_match_torch_fsdp2", fine=("test_generated_scripts_match_torch_fsdp2",),
-         needs_rank_user=True, timeout_cap=60.0),
+         select="test_generated_scripts_match_torch_fsdp2", broken=("test_generated_scripts_match_torch_fsdp2",),
+         # the generated script catches the refusal where fully_shard must raise, and names it
+         message=r"it raised PermissionError", needs_rank_user=True, timeout_cap=60.0),
     Case("hidden_shared_memory", "holds 1.2 GiB a rank in memfd files (refused in a graded rank) or else in /dev/shm "
          "files it unlinks at once: memory no listing of files finds (2 ranks, 2 GiB for the whole submission)",
          edits=(_insert(5, "    grads = [fp.shard.grad for fp in flat_params", "    _zoo_hidden_shm()\n"),),
