@@ -406,7 +406,8 @@ def test_loss_from_a_block_output_the_root_does_not_return():
     _check_grad_shards(results, model, GPT_UNITS, expected)
 
 
-# ---- A unit whose input an earlier unit also reads: both blocks read the embedding's output.
+# ---- A unit whose input an earlier unit also reads (both blocks read the embedding's output), and a unit whose only
+# input that carries a gradient is a keyword argument.
 class SharedInput(nn.Module):
     def __init__(self, d_in: int = 13, dim: int = 29, hidden: int = 37, d_out: int = 7):
         super().__init__()
@@ -420,35 +421,63 @@ class SharedInput(nn.Module):
         return self.head(self.first(h) + self.second(h))
 
 
+class GatedResidual(ScaledResidual):
+    def forward(self, gate: torch.Tensor, *, h: torch.Tensor) -> torch.Tensor:
+        return super().forward(gate * h)
+
+
+class KeywordInput(SharedInput):
+    """``second`` gets a gate without gradient positionally and its activation as the keyword ``h``."""
+
+    def __init__(self, d_in: int = 13, dim: int = 29, hidden: int = 37, d_out: int = 7):
+        super().__init__(d_in, dim, hidden, d_out)
+        self.second = GatedResidual(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(self.embed(x))
+        return self.head(self.second(torch.full_like(h, 0.5), h=h))
+
+
 SHARED_UNITS = ["first.", "second.", ""]
+INPUT_CASES = {"a unit whose input an earlier unit also reads": SharedInput,
+               "a unit whose activation comes as a keyword argument": KeywordInput}
 
 
-def _shared_input(rank, world_size):
+def _shared_and_keyword_inputs(rank, world_size):
     log = use_counted_collectives(late=True)
-    torch.manual_seed(0)
-    model = SharedInput()
-    mon = Monitor(model, SHARED_UNITS, log)
-    hand_shard(model, [model.first, model.second, model])
-    mon.attach()
-    x = torch.randn(3 * world_size, 13, generator=torch.Generator().manual_seed(1))[3 * rank:3 * (rank + 1)]
-    mon.backward(model(x).pow(2).mean())
-    full_grads_alive = [u.module.__class__.__name__ for u in adapters.fsdp_units(model)
-                        for fp in u.flat_params if fp.unsharded.grad is not None]
-    return {"flat": describe_flat_params(model, grads=True), "sizes": unsharded_storage_sizes(model),
-            "full_grads_alive": full_grads_alive, "monitor": mon.report()}
+    out = {}
+    for name, make in INPUT_CASES.items():
+        torch.manual_seed(0)
+        model = make()
+        mon = Monitor(model, SHARED_UNITS, log)
+        hand_shard(model, [model.first, model.second, model])
+        mon.attach()
+        x = torch.randn(3 * world_size, 13, generator=torch.Generator().manual_seed(1))[3 * rank:3 * (rank + 1)]
+        mon.backward(model(x).pow(2).mean())
+        full_grads_alive = [u.module.__class__.__name__ for u in adapters.fsdp_units(model)
+                            for fp in u.flat_params if fp.unsharded.grad is not None]
+        out[name] = {"flat": describe_flat_params(model, grads=True), "sizes": unsharded_storage_sizes(model),
+                     "full_grads_alive": full_grads_alive, "monitor": mon.report()}
+    return out
 
 
 @pytest.mark.evidence("bytes", "memory")
-def test_a_unit_whose_input_an_earlier_unit_also_reads():
-    # Each unit is resharded as soon as its own backward is done (the monitor's unsharded-bound: one non-root
-    # unit at a time), although the input it read is also read by the unit that ran before it.
+def test_units_reading_a_shared_input_or_a_keyword_input():
+    # Each unit is resharded as soon as its own backward is done (the monitor's unsharded-bound: one non-root unit
+    # at a time), although the input it read is also read by the unit that ran before it, or comes as a keyword.
     world_size = 2
-    witness = witness_for(SharedInput, SHARED_UNITS, world_size, moved=3)  # gathered twice, reduce-scattered once
-    results = run_ranks(_shared_input, world_size, witness=witness)
-    torch.manual_seed(0)
-    model = SharedInput()
-    x = torch.randn(3 * world_size, 13, generator=torch.Generator().manual_seed(1))
-    _check_grad_shards(results, model, SHARED_UNITS, _single_process_grads(model, model(x).pow(2).mean()))
+    # Two models one after the other; each unit gathered twice and reduce-scattered once a model.
+    witness = witness_for(SharedInput, SHARED_UNITS, world_size, models=2, moved=6)
+    results = run_ranks(_shared_and_keyword_inputs, world_size, witness=witness)
+    for name, make in INPUT_CASES.items():
+        torch.manual_seed(0)
+        model = make()
+        x = torch.randn(3 * world_size, 13, generator=torch.Generator().manual_seed(1))
+        try:
+            _check_grad_shards([got[name] for got in results], model, SHARED_UNITS,
+                               _single_process_grads(model, model(x).pow(2).mean()))
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
 
 
 # ---- More of the module docstring's hard cases, one small model each, in one run ----------------------------------
