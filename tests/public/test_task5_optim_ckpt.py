@@ -186,32 +186,46 @@ def test_clip_grad_norm_never_scales_gradients_up():
 TIED_UNITS = ["layers.0.", "layers.1.", ""]  # TiedModel's layers, then the root (embed and head share its weight)
 
 
-def _tied_sharded_state(rank, world_size):
+def _tied_model_with_buffers() -> TiedModel:
+    """TiedModel (head.weight IS embed.weight) with an integer and a boolean buffer: state dicts keep every buffer,
+    whatever its dtype, as nn.Module.state_dict() does."""
     torch.manual_seed(0)
     model = TiedModel()
+    model.register_buffer("steps", torch.tensor(3))
+    model.layers[1].register_buffer("mask", torch.arange(11) % 3 == 0)
+    return model
+
+
+def _tied_sharded_state(rank, world_size):
+    model = _tied_model_with_buffers()
     hand_shard(model, [model.layers[0], model.layers[1], model])
     return {kind: adapters.get_model_state_dict(model, full=kind == "full") for kind in ("sharded", "full")}
 
 
-def test_state_dicts_name_a_tied_weight_as_their_formats_say():
-    # TiedModel's head.weight IS embed.weight. Sharded: once, under its kept name (the first); full: under both.
+def test_state_dicts_name_tied_weights_and_buffers_as_their_formats_say():
+    # Sharded: a tied parameter once, under its kept name (the first); full: under both. Both: every buffer.
     world_size = 2
     results = run_ranks(_tied_sharded_state, world_size)
-    torch.manual_seed(0)
-    model = TiedModel()
+    model = _tied_model_with_buffers()
     kept = dict(model.named_parameters())  # one name per parameter: the first
     every = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers())
     for rank, got in enumerate(results):
         keys = sorted(got["sharded"])
-        assert keys == sorted(kept), (
-            f"rank {rank}: the sharded model state dict of TiedModel has keys {keys}; expected {sorted(kept)}: a tied "
-            f"parameter once, under its kept name (the first of its names), as the module docstring's format says")
+        assert keys == sorted([*kept, *buffers]), (
+            f"rank {rank}: the sharded model state dict of TiedModel has keys {keys}; expected {sorted(kept)} and "
+            f"the buffers {sorted(buffers)}: a tied parameter once, under its kept name (the first of its names), "
+            f"as the module docstring's format says")
     for name, p in kept.items():  # the ranks' pieces, in rank order, are the whole parameter
         pieces = torch.cat([got["sharded"][name].reshape(-1) for got in results])
         assert_close(pieces, p.detach().reshape(-1), f"{name}: the sharded state dict's pieces of all ranks, in order")
-    assert sorted(results[0]["full"]) == sorted(every), (
-        f"rank 0: the full model state dict has keys {sorted(results[0]['full'])}; expected every name of every "
-        f"parameter, tied ones under each of their names: {sorted(every)}")
+    full = results[0]["full"]
+    assert sorted(full) == sorted([*every, *buffers]), (
+        f"rank 0: the full model state dict has keys {sorted(full)}; expected every name of every parameter, tied "
+        f"ones under each of their names: {sorted(every)}, and every buffer, whatever its dtype: {sorted(buffers)}")
+    for name, b in buffers.items():
+        assert full[name].dtype == b.dtype and torch.equal(full[name], b), \
+            f"rank 0: buffer {name} in the full model state dict: {full[name]!r}, expected {b!r}"
     assert all(got["full"] == {} for got in results[1:]), "a full state dict lives on rank 0 only"
 
 
