@@ -1,100 +1,107 @@
-"""A lie earns nothing, graded (issue 25): staff/grader_selftest/lies.py's submissions, each an honest bug and the same
-bug with the lines that make the ranks' reports deny it.
+"""A lie earns nothing, graded (issues 25 and 35): staff/grader_selftest/lies.py's submissions, each an honest bug and
+the same bug with the lines that make the ranks' reports deny it.
 
-The grader's rule (grading_plugin.Grader.refute): when the kernel's witness breaks a test's bound, every graded
-test marked ``evidence("memory")`` or ``evidence("bytes")`` for that property fails, since its verdict rests on the
-ranks' own reports. A lie then scores no more than its honest twin exactly when every test the honest twin fails
-is one that rule reaches. Checked here two ways:
+Every graded test marked ``evidence("memory"/"bytes")`` is judged by the kernel's witness of its own run against its
+own bound, and a witness failure fails that test only (no refutation reaches other tests). A lie then scores no
+more than its honest twin exactly where each test its honest twin fails resolves the defect from the kernel's
+counts (or from what the lie cannot rewrite). Checked here two ways:
 
-- statically, against the last full grading of each pair (``lies.json``, ``python -m staff.grader_selftest.lies
-  --write``, about 8 minutes): each test the honest twin failed carries the marker, and the lie scored no more;
-- by grading each lying submission for real on the witnessed test and two marked tests it passes when nobody
-  asks the kernel (about a minute in all): the witnessed test fails on the kernel's count and the marked tests
-  fail with the refutation, which names it.
+- against the last recorded grading of each pair (``lies.json``, ``python -m staff.grader_selftest.lies --evidence
+  --write``: the evidence tests only, about 3 minutes a submission at load 7): every lie is recorded, says which
+  tests it was graded on, and scores no more than its twin, unless it is in KNOWN_TO_PAY, the gaps not closed
+  yet, each with why (the list may only shrink: a listed lie that no longer pays fails here until it is removed);
+- by grading the never_free lie for real on Task 3's forward test, whose model is big enough for its bound to
+  resolve one forward that frees nothing (about a minute): it fails there on the kernel's count, and only there.
 """
 
 from __future__ import annotations
 
-import ast
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 from staff.grader_selftest import lies
 
 pytestmark = pytest.mark.staff
 
-WITNESSED = "test_task7_fully_shard.py::test_units_are_resharded_after_forward_and_backward"
-PROPERTY = {"never_free": "memory", "never_free_unwatched": "memory", "all_reduce": "bytes"}
-# Per lie: marked tests the lying submission passes when the kernel is not asked (its reports are clean there).
-REFUTED_SAMPLE = {
-    "never_free": ["test_forward_matches_single_process", "test_nested_frozen_and_unused_parameters"],
-    "all_reduce": ["test_tied_weights_are_updated_once", "test_gradients_without_reshard_after_forward"],
+# Lies that still outscore their honest twin in lies.json (graded on the evidence tests, load 10-17), and why. The list
+# may only shrink. Issue 35 item 1 is done where a test's model resolves the defect: Task 3's forward test and the
+# hidden really-frees tests (wide GPTs built unit by unit) and Task 7's resharding test catch never_free's lie; the
+# byte bounds catch an all-reduce in 17 tests at W >= 2. Not where the model is a few KiB a unit.
+KNOWN_TO_PAY = {
+    "never_free_small": "29 memory tests whose models are 0.1-0.2 MiB a unit (Tasks 2-7, LoRA, the differential "
+                        "test) pass the lie: their witness bounds only gross excess (4.01 vs 37.59)",
+    "all_reduce": "at W=1 an all-reduce sends nothing (Task 4's and Task 7's [gloo-1]); the tied-weights model and the "
+                  "no-reshard test move too few bytes for the bound (31.28 vs 33.75)",
+    "never_free_no_task7": "as never_free_small, with Task 7's tests lost by both",
+}
+# Lies without a record graded since issue 35 retired the refutation (an old record no longer says anything), and
+# why: each would take two gradings of 7-8 minutes at load 10-14 (the list may only shrink).
+NOT_REGRADED = {
+    # It lies wherever never_free_small lies and is honest nowhere: its lie passes at least what never_free_small's
+    # does; its honest twin is never_free_small's (4.01 on the evidence tests).
+    "never_free",
+    # Overlap is seen only by the in-rank log, so no kernel witness can judge it: on Task 6's two public prefetch
+    # tests its honest twin fails reductions-overlap and the lie passes both (pytest, not graded). The staff review
+    # flags nothing in it (test_review's review_files returns []): a runtime or static finding must (issue 35).
+    "rs_waited_at_once",
 }
 
 
-def _evidence_by_test() -> dict[str, set[str]]:
-    """``file.py::function`` -> the properties its evidence marker names, for every test file (from the source)."""
-    out: dict[str, set[str]] = {}
-    for path in sorted((ROOT / "tests").glob("*/test_*.py")):
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test_"):
-                continue
-            props = set()
-            for dec in node.decorator_list:
-                if isinstance(dec, ast.Call) and ast.unparse(dec.func) == "pytest.mark.evidence":
-                    props |= {a.value for a in dec.args if isinstance(a, ast.Constant)}
-            out[f"{path.name}::{node.name}"] = props
-    return out
+def _record() -> dict:
+    return json.loads(lies.RECORD.read_text())
 
 
-def test_every_test_an_honest_twin_fails_is_reached_by_the_kernels_verdict():
-    record = json.loads(lies.RECORD.read_text())
-    assert set(record) == {lie.id for lie in lies.LIES}, f"lies.json is stale: rerun lies.py --write ({set(record)})"
-    evidence = _evidence_by_test()
+def test_every_lie_is_recorded_and_none_pays_unless_known():
+    record = _record()
+    ids = {lie.id for lie in lies.LIES}
+    missing = ids - set(record) - NOT_REGRADED
+    assert not missing, f"lies.json lacks {sorted(missing)}: run python -m staff.grader_selftest.lies --evidence " \
+                        f"--only {' '.join(sorted(missing))} --write"
+    assert set(record) <= ids - NOT_REGRADED, f"lies.json records lies that are gone (or stale): " \
+                                              f"{sorted(set(record) - (ids - NOT_REGRADED))}"
+    assert set(KNOWN_TO_PAY) <= ids, f"KNOWN_TO_PAY names lies that are gone: {sorted(set(KNOWN_TO_PAY) - ids)}"
     for lie_id, entry in record.items():
-        prop = PROPERTY[lie_id]
-        assert entry["lying_score"] <= entry["honest_score"] + 1e-6, f"{lie_id}: the lie pays: {entry}"
-        for side in ("honest", "lying"):
-            assert any(prop in line for line in entry[f"{side}_refuted"]), \
-                f"{lie_id}, {side}: the kernel's witness refuted nothing in the last full grading: {entry}"
-        missing = []
-        for name in entry["honest_failed"]:
-            test = name.split("[")[0]
-            assert test in evidence, f"{lie_id}: {test} (in lies.json) is not a test any more: rerun lies.py --write"
-            if test != WITNESSED and prop not in evidence[test]:
-                missing.append(test)
-        assert not missing, (f"{lie_id}: the honest twin fails these tests, which lack @pytest.mark.evidence("
-                             f"{prop!r}), so the lie could pass them: {sorted(set(missing))}")
+        assert entry.get("subset") in ("all", "evidence"), f"{lie_id}: lies.json must say what was graded: {entry}"
+        pays = entry["lying_score"] > entry["honest_score"] + 1e-6
+        if lie_id in KNOWN_TO_PAY:
+            assert pays, (f"{lie_id} no longer outscores its honest twin ({entry['lying_score']} <= "
+                          f"{entry['honest_score']}): remove it from KNOWN_TO_PAY")
+        else:
+            assert not pays, f"{lie_id}: the lie pays ({entry['lying_score']} > {entry['honest_score']}): {entry}"
 
 
-def test_the_sample_is_marked():
-    evidence = _evidence_by_test()
-    for lie_id, names in REFUTED_SAMPLE.items():
-        for name in names:
-            found = [k for k in evidence if k.endswith("::" + name)]
-            assert found and all(PROPERTY[lie_id] in evidence[k] for k in found), (lie_id, name, found)
+def test_deleting_a_task_gains_nothing():
+    """Issue 35: with never_free's bug, leaving Task 7 as its stub scored 51.18 against 42.19 with Task 7 done, because
+    refutation reached the other tasks' tests only through Task 7. Each test stands on its own now."""
+    record = _record()
+    stub, done = record.get("never_free_no_task7"), record.get("never_free_small")
+    if stub is None or done is None or stub["subset"] != done["subset"]:
+        pytest.skip("lies.json lacks never_free_no_task7 or never_free_small graded on the same tests")
+    assert stub["honest_score"] <= done["honest_score"] + 1e-6, (stub["honest_score"], done["honest_score"])
+
+
+def test_a_kernel_witness_failure_is_recorded_for_the_memory_lies():
+    """Where a test's model resolves the defect, the kernel fails the lie there (Task 3's forward test and the hidden
+    really-frees tests, when graded)."""
+    for lie_id in ("never_free_small", "never_free"):
+        entry = _record().get(lie_id)
+        if entry is None or "lying_witness_failed" not in entry:
+            continue
+        assert any("test_forward_matches_single_process[True" in t for t in entry["lying_witness_failed"]), \
+            f"{lie_id}: the kernel's witness failed none of Task 3's forward tests in the last grading: {entry}"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("lie_id", sorted(REFUTED_SAMPLE))  # never_free_unwatched: lies.json, and test_grading_plugin
-def test_a_lying_submission_loses_the_tests_its_reports_decide(lie_id, tmp_path):
-    lie = next(x for x in lies.LIES if x.id == lie_id)
-    names = [WITNESSED.split("::")[1]] + REFUTED_SAMPLE[lie_id]
-    data = lies.grade(lie, True, tmp_path, ["-k", " or ".join(names)])
-    tests = {t["name"].split("::", 1)[1].split("[")[0]: t for t in data["tests"]}
-    assert set(tests) == set(names), f"graded {sorted(tests)}, expected {names}\n{data['_stdout'][-3000:]}"
-    witnessed = tests[names[0]]
-    assert witnessed["status"] == "failed" and "the kernel's witness disagrees" in witnessed["output"], \
-        witnessed["output"]
-    for name in names[1:]:
-        t = tests[name]
-        assert t["status"] == "failed" and t["score"] == 0, f"{lie_id}: {name} passed: the lie paid\n{t['output']}"
-        body = t["output"].split("\n\n", 1)[1]  # after the points line: what decided (its own checks passed)
-        assert body.startswith("failed: the kernel's witness in") and "refuted" in body, t["output"]
-    assert "kernel's witness refuted" in data["output"], data["output"]
+def test_the_never_free_lie_fails_where_the_model_resolves_it(tmp_path):
+    lie = next(x for x in lies.LIES if x.id == "never_free")
+    data = lies.grade(lie, True, tmp_path, ["-k", "test_forward_matches_single_process"])
+    tests = {t["name"].split("::", 1)[1]: t for t in data["tests"]}
+    assert len(tests) == 6, f"graded {sorted(tests)}\n{data['_stdout'][-3000:]}"
+    for name, t in tests.items():
+        if "[True" in name:  # resharding after forward: the lie keeps every block, the kernel sees it
+            assert t["status"] == "failed" and "the kernel's witness disagrees" in t["output"], t["output"]
+        else:  # nothing is freed after forward without resharding: nothing to lie about, it passes
+            assert t["status"] == "passed", t["output"]
     assert not data["_survivors"], data["_survivors"]
