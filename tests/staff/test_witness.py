@@ -11,9 +11,9 @@ memory tracker, the collective counters, the invariant monitor. Two such lies us
 Each is played here twice on top of the reference, honestly and with its lie, through the graded test that
 decides it (Task 7's ``test_units_are_resharded_after_forward_and_backward``): the honest bug fails on what the
 ranks report and on what the kernel saw, the lying one passes the first and fails the second. Either way the
-failure is the kernel's, which the grader carries to every test that decides the same property from the ranks'
-reports, so the lie earns nothing (staff/grader_selftest/lies.py grades both pairs in full). The same
-witness passes on torch's own ``fully_shard`` for the same model and step. (The variants are staff-only: they
+failure is the kernel's, and it is this test's alone: every test that decides memory or bytes is witnessed on its
+own run against its own bound (checked below; staff/grader_selftest/lies.py grades the pairs). The same witness
+passes on torch's own ``fully_shard`` for the same model and step. (The variants are staff-only: they
 import the reference directly.)
 """
 
@@ -181,9 +181,8 @@ def test_a_lie_earns_nothing_the_kernel_witness_catches_it(variant):
     message = str(honest.value)
     assert honest.value.kind == "witness" and what in message, message
     assert "What the ranks reported failed the test's checks too" in message, message
-    # With the lie: the reports pass, the kernel's counts do not, and the failure says the kernel decided. The
-    # same kind of failure as the honest one, so the grader refutes the same tests' reports for both
-    # (staff/grader_selftest/lies.py grades the pairs in full).
+    # With the lie: the reports pass, the kernel's counts do not, and the failure says the kernel decided: the same
+    # kind of failure as the honest one, so the lie scores what the honest bug scores here.
     witness = witness_bounds(WITNESS_CFG, WORLD_SIZE)
     results = run_ranks(_graded_body, WORLD_SIZE, variant, True, witness=witness)
     with pytest.raises(RankFailure) as lying:
