@@ -33,7 +33,10 @@ KNOWN_TO_PAY = {
                         "test) pass the lie: their witness bounds only gross excess (4.01 vs 37.59)",
     "all_reduce": "at W=1 an all-reduce sends nothing (Task 4's and Task 7's [gloo-1]); the tied-weights model and the "
                   "no-reshard test move too few bytes for the bound (31.28 vs 33.75)",
-    "never_free_no_task7": "as never_free_small, with Task 7's tests lost by both",
+    "never_free_no_task7": "as never_free_small, with Task 7's tests lost by both (3.21 vs 32.79)",
+    "rs_waited_at_once": "overlap is seen only by the in-rank log, which the lie rewrites, and no kernel witness can "
+                         "judge it (48.58 vs 52.78): the staff review flags nothing in it yet (review_files returns "
+                         "[]); a static or runtime finding on the counter's private attributes must (issue 35)",
 }
 # Lies without a record graded since issue 35 retired the refutation (an old record no longer says anything), and
 # why: each would take two gradings of 7-8 minutes at load 10-14 (the list may only shrink).
@@ -41,10 +44,6 @@ NOT_REGRADED = {
     # It lies wherever never_free_small lies and is honest nowhere: its lie passes at least what never_free_small's
     # does; its honest twin is never_free_small's (4.01 on the evidence tests).
     "never_free",
-    # Overlap is seen only by the in-rank log, so no kernel witness can judge it: on Task 6's two public prefetch
-    # tests its honest twin fails reductions-overlap and the lie passes both (pytest, not graded). The staff review
-    # flags nothing in it (test_review's review_files returns []): a runtime or static finding must (issue 35).
-    "rs_waited_at_once",
 }
 
 
