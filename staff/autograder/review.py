@@ -67,6 +67,7 @@ import sys
 from pathlib import Path
 
 from .review_decode import Decoded, shown
+from .review_instrumentation import instrumentation_flags
 from .review_rules import Review
 
 def review_source(data: bytes | str) -> list[dict]:
@@ -83,6 +84,7 @@ def review_source(data: bytes | str) -> list[dict]:
             visitor = Review(tree, decoded.lines)
             visitor.visit(tree)
             flags += visitor.flags
+            flags += instrumentation_flags(tree, decoded.lines)
         except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
             flags.append({"line": getattr(err, "lineno", 0) or 0, "kind": "unreadable",
                           "what": f"not reviewed: {type(err).__name__}: {str(err)[:200]}", "code": ""})

@@ -46,7 +46,7 @@ ISSUE_36 = {
         "import torch\nimport torch.distributed as dist\n\ndef swap(fake):\n"
         "    dist.all_reduce.__globals__['_get_default_group'] = fake\n", {(5, "introspection")}),
     "setattr(type(group), '_record', f)": (
-        "import torch\n\ndef mute(group, f):\n    setattr(type(group), '_record', f)\n", {(4, "patch")}),
+        "import torch\n\ndef mute(group, f):\n    setattr(type(group), '_record', f)\n", {(4, "patch"), (4, "harness")}),
     "getattr(sys, 'modules')": (
         "import torch\nimport sys\n\nMODS = getattr(sys, 'modules')\n", {(4, "sys.modules")}),
     "pkgutil.resolve_name('ctypes:CDLL')": (
@@ -142,9 +142,9 @@ MORE = {
         "import torch\nimport torch.distributed as dist\n\nobject.__setattr__(dist, 'barrier', print)\n",
         {(4, "patch")}),
     "type(group)._record = f": (
-        "import torch\n\ndef mute(group, f):\n    type(group)._record = f\n", {(4, "patch")}),
+        "import torch\n\ndef mute(group, f):\n    type(group)._record = f\n", {(4, "patch"), (4, "harness")}),
     "group.__class__._record = f": (
-        "import torch\n\ndef mute(group, f):\n    group.__class__._record = f\n", {(4, "patch")}),
+        "import torch\n\ndef mute(group, f):\n    group.__class__._record = f\n", {(4, "patch"), (4, "harness")}),
     "a module from sys.modules, patched": (
         "import torch\nimport sys\n\nd = sys.modules['torch.distributed']\nd.all_reduce = print\n",
         {(4, "sys.modules"), (5, "patch")}),

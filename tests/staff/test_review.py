@@ -324,3 +324,24 @@ def test_help_says_what_the_review_reads_and_cannot_see(capsys):
     text = " ".join(capsys.readouterr().out.split()).lower()
     for words in ("coding cookie", "what it cannot see", "runtime audit", "audit.jsonl"):
         assert words in text, f"review --help does not say {words!r}"
+
+
+def test_a_lie_to_the_tests_instrumentation_is_flagged_on_its_lines():
+    """Issue 35's rs_waited_at_once: a reduce-scatter waited on at once, its handle put back among the tests'
+    counter's unwaited collectives (work._log._pending), which only the in-rank log sees; the kernel cannot judge
+    it, so the review flags each use of the counter's private names (kind harness) with its line. Its honest twin,
+    the reference, the stubs and the alternatives use none of them; a student's own ``self._state`` is theirs."""
+    from staff.autograder.review_instrumentation import instrumentation_names
+    from staff.grader_selftest import lies
+
+    assert {"_log", "_pending", "_index", "_record"} <= set(instrumentation_names())
+    (lie,) = [x for x in lies.LIES if x.id == "rs_waited_at_once"]
+    honest = [f for f in review.review_files(lies.files(lie, False)) if f["kind"] == "harness"]
+    lying = [f for f in review.review_files(lies.files(lie, True)) if f["kind"] == "harness"]
+    assert honest == []
+    text = lies.files(lie, True)["fsdp_assignment/task4_backward.py"].splitlines()
+    want = {i + 1 for i, line in enumerate(text) if "_log" in line or "_pending" in line}
+    assert want and want <= {f["line"] for f in lying}, (want, lying)
+    own = "class Unit:\n    def __init__(self):\n        self._state = 1\n\n    def go(self):\n        return self._state\n"
+    assert [f for f in review.review_source(own) if f["kind"] == "harness"] == []
+    assert [f for f in review.review_source("def f(w):\n    return w._pending\n") if f["kind"] == "harness"][0]["line"] == 2
