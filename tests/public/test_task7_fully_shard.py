@@ -480,17 +480,19 @@ def test_a_frozen_weight_tied_across_units_is_rejected():
 
 # ---- Mixed precision casts keyword inputs as it casts positional ones ----------------------------------------------
 class KeywordInputs(nn.Module):
-    """Records the dtypes its forward receives: a positional input and keyword inputs, one of them nested."""
+    """Records the dtypes its forward receives (a positional input and keyword inputs, one of them nested) and
+    its floating-point buffer's."""
 
     def __init__(self, dim: int = 7):
         super().__init__()
         self.lin = nn.Linear(dim, dim)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, dim))
         self.seen: list[dict] = []
 
     def forward(self, x, *, scale, extra):
         self.seen.append({"x": str(x.dtype), "scale": str(scale.dtype), "extra.shift": str(extra["shift"].dtype),
-                          "extra.index": str(extra["index"].dtype)})
-        return self.lin(x) * scale + extra["shift"]
+                          "extra.index": str(extra["index"].dtype), "buffer gain": str(self.gain.dtype)})
+        return (self.lin(x) * scale + extra["shift"]) * self.gain.to(x.dtype)
 
 
 def _keyword_inputs(rank, world_size):
@@ -508,10 +510,10 @@ def _keyword_inputs(rank, world_size):
 
 def test_mixed_precision_casts_keyword_inputs():
     expected = {"x": "torch.bfloat16", "scale": "torch.bfloat16", "extra.shift": "torch.bfloat16",
-                "extra.index": "torch.int64"}
+                "extra.index": "torch.int64", "buffer gain": "torch.float32"}
     for rank, got in enumerate(run_ranks(_keyword_inputs, 2)):
         for i, seen in enumerate(got):
             assert seen == [expected], (
                 f"rank {rank}: unit {i}'s forward received inputs of dtypes {seen}; with param_dtype=bf16 every "
                 f"floating-point input, positional or keyword (nested ones included), reaches the forward in bf16 "
-                f"and other tensors unchanged: {expected}")
+                f"and other tensors unchanged; the module's own buffers keep their dtype: {expected}")
