@@ -21,7 +21,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,13 +36,8 @@ TASK_FILES = {1: "task1_meta_init.py", 2: "task2_flat_param.py", 3: "task3_forwa
               7: "task7_fully_shard.py"}
 
 # Graded tests that test_times.json does not list yet (added after its last measurement), with the task functions
-# they call and a rough time; test_times.json's own entry wins once it is regenerated.
-NEW_TESTS: dict[str, dict] = {
-    "tests/hidden/test_task1_mutant_kills.py::test_state_already_off_meta_is_kept":
-        {"seconds": 0.3, "calls": ["task1_meta_init.py:materialize_meta_module"]},
-    # issue 37's public tests, traced (new_test_calls.json says how)
-    **json.loads((Path(__file__).with_name("new_test_calls.json")).read_text())["tests"],
-}
+# they call and a rough time; test_times.json's own entry wins once it is regenerated (empty when it is current).
+NEW_TESTS: dict[str, dict] = {}
 
 
 # ---- the files -----------------------------------------------------------------------------------------------
