@@ -133,7 +133,8 @@ def _edited(files: dict, task_file: str, old: str, new: str) -> dict:
 def test_a_norm_that_all_gathers_one_number_per_rank_scores_the_hsdp_bonus(tmp_path):
     """Graded as a submission (the mutants' path, grade.py on a staged bundle): the reference with the one-number
     all-gather norm passes both HSDP tests (it failed both: "all-gather bytes per step 231348; the formula ...
-    gives 231344"), and the reference gathering every shard twice fails the 2x2 test on its all-gather bytes."""
+    gives 231344"), and the reference gathering every shard twice fails the 2x2 test on its bytes (the kernel's
+    witness at the sockets sees it first since issue 35)."""
     from staff.grader_selftest.mutant_grading import grade_mutant, reference_student_files, select_args
     files = reference_student_files()
     norm = _edited(files, "task5_optim_ckpt.py", NORM_ALL_REDUCE, NORM_ONE_NUMBER_PER_RANK)
@@ -142,4 +143,7 @@ def test_a_norm_that_all_gathers_one_number_per_rank_scores_the_hsdp_bonus(tmp_p
     twice = _edited(files, "task3_forward.py", GATHER, GATHER_TWICE)
     verdict = grade_mutant(twice, tmp_path, "gather-twice", select_args(HSDP_TESTS[:1]), timeout=600, timeout_cap=240)
     assert verdict.killed and HSDP_TESTS[0] in verdict.killer, (verdict.killer, verdict.detail)
-    assert "all-gather bytes per step" in verdict.detail, verdict.detail
+    # on its bytes: the kernel's count at the sockets (the test's witness, which judges first) or the counted
+    # all-gathers' bytes
+    assert "bytes written to the rank's sockets" in verdict.detail or "all-gather bytes per step" in verdict.detail, \
+        verdict.detail
