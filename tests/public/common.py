@@ -274,13 +274,13 @@ def witness_for(build, unit_prefixes: list[str], world_size: int, *, models: int
 
 # What a body takes beyond its model, allowed on top of every bound (stated overheads, not measurements of the code
 # under test). Peak: the first autograd, BLAS, gloo and allocator work of a rank, which stays resident (the
-# reference's tiny-model bodies rise 10-29 MiB; the kernel's noise of an idle rank is 1-2 MiB on top).
+# staff's tiny-model bodies rise 10-29 MiB; the kernel's noise of an idle rank is 1-2 MiB on top).
 WITNESS_PEAK_OVERHEAD_BYTES = 40 << 20
 # Bodies that step a torch optimizer (its first step imports and sets up more of torch) or run torch's FSDP2 rise
 # 51-82 MiB.
 WITNESS_PEAK_OVERHEAD_HEAVY_BYTES = 96 << 20
 # Bytes: barriers, scalar collectives (a norm, a flag), the monitor's and the counter's own exchanges (the
-# reference sends 1-40 KiB beyond its bound's formula), on top of the harness's allowance for joining the group (64
+# staff's implementation sends 1-40 KiB beyond its bound's formula), on top of the harness's allowance for joining the group (64
 # KiB). Tight on purpose: bytes do not wander as resident memory does, and an all-reduce in place of one
 # reduce-scatter of the tests' smallest model (W=2) sends 113 KiB more.
 WITNESS_SENT_OVERHEAD_BYTES = 32 << 10
