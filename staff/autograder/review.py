@@ -149,7 +149,7 @@ def read_runtime(path: Path) -> tuple[list[dict], list[str]]:
         with open(path, "rb") as fh:
             data = fh.read(MAX_AUDIT_BYTES + 1)
     except FileNotFoundError:
-        return [], [f"no runtime findings (no {path.name}: the ranks' audit reported nothing, or did not run)"]
+        return [], [f"no runtime findings (no {path.name}: the ranks' audit found nothing to report, or was off)"]
     except OSError as err:
         return [], [f"no runtime findings (the audit log {path.name} could not be read: {err.strerror or err})"]
     notes = [f"the audit log is larger than {MAX_AUDIT_BYTES >> 20} MiB: only its start was read"] \
