@@ -56,30 +56,41 @@ def usable_rank_user(user: str | None, tree: Path) -> tuple[str | None, str]:
                       f"--rank-user, e.g. nobody)")
     if entry.pw_uid == 0:
         return None, f"ranks run as root: user {user!r} is root"
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the probe: can that user read all of these?
-        answer = "?"
+    def probe() -> str:  # in the child: can that user read all of these?
         try:
-            os.close(read)
             os.setgroups([])
             os.setgid(entry.pw_gid)
             os.setuid(entry.pw_uid)
             found = first_unreadable(rank_user_paths(tree))
-            answer = "" if found is None else json.dumps(found)
+            return "" if found is None else json.dumps(found)
         except BaseException as err:
-            answer = json.dumps(["", f"{type(err).__name__}: {err}"])
+            return json.dumps(["", f"{type(err).__name__}: {err}"])
+
+    answer = in_child(probe, 4000)
+    if answer:
+        path, blocker = json.loads(answer) if answer != "?" else ("", "the probe did not answer")
+        return None, f"ranks run as root: {cannot_read(user, path, blocker)}"
+    return user, f"rank bodies run as user {user!r} (uid {entry.pw_uid})"
+
+
+def in_child(probe, limit: int) -> str:
+    """``probe()``'s answer (at most ``limit`` bytes), computed in a forked child, so that what it changes (its user,
+    a seccomp filter) never touches the grader; "?" when the child died before answering."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        answer = "?"
+        try:
+            os.close(read)
+            answer = probe()
         finally:
-            os.write(write, answer.encode()[:4000])
+            os.write(write, answer.encode()[:limit])
             os._exit(0)
     os.close(write)
     with os.fdopen(read, "rb") as f:
         answer = f.read().decode(errors="replace")
     os.waitpid(pid, 0)
-    if answer:
-        path, blocker = json.loads(answer) if answer != "?" else ("", "the probe did not answer")
-        return None, f"ranks run as root: {cannot_read(user, path, blocker)}"
-    return user, f"rank bodies run as user {user!r} (uid {entry.pw_uid})"
+    return answer
 
 
 def cannot_read(user: str, path: str, blocker: str) -> str:
@@ -109,10 +120,7 @@ def syscall_filter_note(tree: Path) -> str:
     """Whether the ranks will refuse memfd_create and unshare here (tests/rank_isolation.py installs a seccomp
     filter in each rank; where the kernel or the container does not allow one, only the memory count applies):
     tried once in a child process, for the staff's log."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        why = "?"
+    def probe() -> str:  # in the child: the filter installed there, not in the grader
         try:
             # This tree's tests package (run as ``python -m`` from the tree's root; the source and the grading
             # tree hold the same file).
@@ -124,13 +132,9 @@ def syscall_filter_note(tree: Path) -> str:
                     why = "memfd_create still works under the filter"
                 except OSError:
                     pass
+            return why
         except BaseException as err:
-            why = f"the filter could not be tried: {type(err).__name__}: {err}"
-        finally:
-            os.write(write, why.encode()[:1000])
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        why = f.read().decode(errors="replace")
-    os.waitpid(pid, 0)
+            return f"the filter could not be tried: {type(err).__name__}: {err}"
+
+    why = in_child(probe, 1000)
     return why or "ranks refuse memfd_create, memfd_secret, unshare, setns and namespace clones (seccomp)"
