@@ -95,7 +95,8 @@ from tests.harness_cleanup import _kill_all, _remove_tree
 # Some names are imported for those who use them from here: tests (_decode_message), the grader's self-test
 # (_find_body), and the constants and helpers that lived in this file before its rooms.
 from tests.harness_rank import _find_body, _rank_main, _run_body, _sendable  # noqa: F401
-from tests.harness_report import MAX_MESSAGE_BYTES, RankFailure, _decode_message, _read_report  # noqa: F401
+from tests.harness_report import (MAX_MESSAGE_BYTES, RankFailure, _decode_message, _read_report,  # noqa: F401
+                                  show_output)
 from tests.harness_sockets import SocketTable
 from tests.harness_start import _CTX, _body_reference, _collect, _ensure_forkserver, _Rank
 from tests.harness_witness import (WITNESS_SETUP_SENT_BYTES, Witness, _KernelSamples,  # noqa: F401
@@ -235,7 +236,10 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
             r.conn.close()
             if r.ack is not None:
                 r.ack.close()
-        _remove_tree(run_dir)
+        try:
+            show_output(ranks)  # a student's prints reach them (pytest -s), passing or failing
+        finally:
+            _remove_tree(run_dir)
     if failure is not None:
         if witness is not None and failure.kind != "timeout":
             # A witnessed run that fails another way (a rank raised or exited) is still judged by what the kernel saw

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import warnings
 from datetime import timedelta
 
 import torch
@@ -186,8 +187,10 @@ def _warm_up(world_size: int, device) -> None:
         x = x + F.linear(F.gelu(fc(ln(x))), fc.weight.t())
         F.cross_entropy(F.linear(ln(x), emb.weight).float().view(-1, 8), ids.view(-1)).backward()
     t = torch.ones(64 * world_size, device=device)
-    dist.all_gather_into_tensor(torch.empty(64 * world_size * world_size, device=device), t)
-    dist.reduce_scatter_tensor(torch.empty(64, device=device), t)
+    with warnings.catch_warnings():  # torch's deprecation notes belong to the student's own calls, not to ours
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_gather_into_tensor(torch.empty(64 * world_size * world_size, device=device), t)
+        dist.reduce_scatter_tensor(torch.empty(64, device=device), t)
     dist.all_reduce(t)
     dist.broadcast(t, 0)
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # annotations only (harness_start imports the rooms that name
     from tests.harness_start import _Rank
 
 OUTPUT_TAIL_CHARS = 2000  # how much of a failing rank's stdout/stderr goes into the failure message
+SHOWN_OUTPUT_CHARS = 100_000  # how much of each rank's output every run prints, labelled (show_output)
 STACK_DUMP_WAIT_S = 0.5  # after SIGUSR1, how long to wait for the stack dumps
 STACK_TAIL_CHARS = 20_000  # how much of a hung rank's stack dump goes into the message
 MAX_MESSAGE_BYTES = 64 << 20  # the largest report a rank may send (the biggest a test returns is under 1 MiB);
@@ -300,6 +301,33 @@ def _output_section(r: _Rank) -> list[str]:
     if not tail:
         return []
     return ["", f"---- rank {r.rank} stdout/stderr (last {OUTPUT_TAIL_CHARS} characters) ----", tail]
+
+
+def show_output(ranks: list[_Rank], out=None) -> None:
+    """Print what each rank wrote to its stdout and stderr (a student's prints, C++ warnings), each line labelled
+    ``[rank r]``, in rank order, after every run, passing or failing. The pytest process's stdout is pytest's to
+    capture: ``pytest -s`` shows it as each run ends, ``-rP`` shows it for passing tests, and a failing test
+    shows it under "Captured stdout call" (its message keeps the failing rank's tail too). The label is put on
+    every line and control characters are shown escaped, so a rank's output cannot pass for pytest's own lines.
+    Read like every rank file: only a regular file, never through a link, at most the last
+    SHOWN_OUTPUT_CHARS characters a rank."""
+    out = out if out is not None else sys.stdout
+    for r in ranks:
+        size = _regular_file_size(r.out_path)
+        if not size:
+            continue
+        text = _read_tail(r.out_path, SHOWN_OUTPUT_CHARS)
+        lines = text.splitlines()
+        not_shown = size - len(text.encode("utf-8", errors="replace"))
+        if not_shown > 0:
+            lines.insert(0, f"(its first {not_shown} bytes are not shown)")
+        out.write("".join(f"[rank {r.rank}] {_printable(line)}\n" for line in lines))
+    out.flush()
+
+
+def _printable(line: str) -> str:
+    """The line with every control character (an escape sequence, a carriage return) shown as its escape."""
+    return "".join(c if c == "\t" or (c >= " " and c != "\x7f") else repr(c)[1:-1] for c in line)
 
 
 def _read_tail(path: str, chars: int) -> str:
