@@ -317,7 +317,9 @@ def show_output(ranks: list[_Rank], out=None) -> None:
         if not size:
             continue
         text = _read_tail(r.out_path, SHOWN_OUTPUT_CHARS)
-        lines = text.splitlines()
+        lines = text.split("\n")  # on newlines only: a carriage return is shown, never obeyed
+        if lines[-1] == "":
+            lines.pop()
         not_shown = size - len(text.encode("utf-8", errors="replace"))
         if not_shown > 0:
             lines.insert(0, f"(its first {not_shown} bytes are not shown)")
