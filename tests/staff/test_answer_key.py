@@ -131,6 +131,31 @@ def test_the_cluster_scenario_is_the_templates():
         assert phrase in q15, f"the template's Q15 does not state {phrase!r} (regenerate.SCENARIO)"
 
 
+def test_from_a_zip_leaves_no_unpacked_folder_behind(tmp_path, monkeypatch, capsys):
+    """Issue 41: ``--from submission.zip`` unpacked the zip's JSON into the temporary directory and never removed
+    it; the folder goes both when the answers are printed and when the zip holds no results (SystemExit)."""
+    import tempfile
+    import zipfile
+
+    regenerate = _load("_regenerate_zip", "staff/answer_key/regenerate.py")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where mkdtemp / TemporaryDirectory put folders
+    good, bare = tmp_path / "submission.zip", tmp_path / "bare.zip"
+    with zipfile.ZipFile(good, "w") as zf:
+        for n in ("memory", "comm", "step", "scaling"):
+            zf.write(RESULTS / f"{n}.json", f"alice/benchmarks/results/{n}.json")
+    with zipfile.ZipFile(bare, "w") as zf:
+        zf.writestr("WRITEUP.md", "# writeup\n")
+    # what was unpacked is the zip's JSON (importing torch may leave its own cache folder there: not ours)
+    assert regenerate.main(["--from", str(good)]) == 0
+    assert "EXPECTED CONCLUSION" in capsys.readouterr().out  # it did unpack and read the zip
+    assert not list(scratch.rglob("*.json")), f"--from a zip left {list(scratch.rglob('*.json'))} behind"
+    with pytest.raises(SystemExit):
+        regenerate.main(["--from", str(bare)])
+    assert not list(scratch.rglob("answer-key-*")), f"--from a bare zip left {list(scratch.rglob('answer-key-*'))}"
+
+
 def test_the_handouts_bands_are_the_staff_run():
     """The "staff run" column of the handout's bands table (handout/benchmarks.typ, @tab-bands) is NUMBERS.md's
     Bands section, rounded as printed."""

@@ -1,0 +1,77 @@
+"""The key's scaling numbers (Q14): weak-scaling efficiency, the crossover W* with its range over the W = 2 fit's
+± 2 SE (c), and the efficiency the model predicts at W = 2 against the measured one (d).
+"""
+
+from __future__ import annotations
+
+import math
+
+from staff.answer_key.rules import _g, beta_range, crossover_w, fit_of, fit_usable, resolved
+
+
+def add_crossover(v, scaling: dict, comm: dict, gpt: dict | None) -> None:
+    """Q14's values and its (c) and (d) conclusions."""
+    # Q14: W*, its range over the fit's ± 2 SE, and the efficiency the model predicts at W = 2
+    base = next((r for r in scaling.get("results") or [] if r.get("scaling") == "weak" and r.get("strategy") == "FSDP"
+                 and r.get("world_size") == 1), None)
+    weak = {r["world_size"]: r for r in scaling.get("results") or [] if r.get("scaling") == "weak" and r.get("strategy") == "FSDP"}
+    v.add("Q14", "q14_weak_eff", "weak-scaling FSDP efficiency at W = 2, 4 (min-max over the slowest rank's steps)",
+          ", ".join(f"W = {w}: {_g(weak[w].get('efficiency'))}" + (
+              f" ({_g(weak[w]['efficiency_range'][0])} to {_g(weak[w]['efficiency_range'][1])})"
+              if weak[w].get("efficiency_range") else "") for w in (2, 4) if w in weak) or "n/a")
+    f = fit_of(comm, 2)
+    if base and f and gpt:
+        units, t_comp, psi_s = gpt["n_layer"] + 1, base["step_s"], base["psi_params"]
+        alpha, beta = fit_usable(f)
+        if beta is None:
+            v.add("Q14", "q14_wstar", "W*", "n/a: beta n/a (the W = 2 fit's slope is <= 0)")
+            v.conclude("Q14", "q14_c_conclusion", "(c)", "no W*: the fit has no beta (slope <= 0); say so: full marks")
+            v.conclude("Q14", "q14_d_conclusion", "(d)", "undecided on this machine: no W* to compare with; say so")
+        else:
+            a_lo, a_hi = ((max(alpha - 2 * f["alpha_se_s"], 0.0), alpha + 2 * f["alpha_se_s"]) if alpha is not None
+                          else (0.0, max(f["alpha_bound_s"], 0.0)))
+            b_lo, b_hi = beta_range(f, beta)
+
+            def w_star(al, be):  # None: communication never limits
+                ws = crossover_w(al, be, t_comp, psi_s, units)
+                return math.inf if ws is None else ws
+
+            def eff2(al, be):  # the model's weak-scaling efficiency at W = 2 under perfect overlap
+                if be <= 0:
+                    return 0.0
+                t_comm = (3 * units * al + 3 * psi_s * 4 / be / 2)
+                return t_comp / max(t_comp, t_comm)
+
+            point = w_star(alpha or 0.0, beta)
+            lo, hi = w_star(a_hi, b_lo), w_star(a_lo, b_hi)
+            rule = "" if alpha else (f" (alpha {f['alpha_s'] * 1e6:.0f} us not resolved{' and <= 0' if f['alpha_s'] <= 0 else ''}: "
+                                     "alpha = 0 for the value, alpha_bound for the range: the Models box's rule)")
+            v.add("Q14", "q14_wstar", "a, c, T_comp, W* and its range over the fit's ± 2 SE, from the W = 2 all-gather fit",
+                  f"n_units = {units}, a = {3 * units * (alpha or 0.0) * 1e3:.2f} ms{rule}, c = "
+                  f"{3 * psi_s * 4 / beta * 1e3:.0f} ms, T_comp = {t_comp * 1e3:.0f} ms, W* = "
+                  + (f"{point:.2f}" if math.isfinite(point) else "none (c <= T_comp: communication never limits)")
+                  + f", range {lo:.2f} to " + (f"{hi:.2f}" if math.isfinite(hi) else "none (never)")
+                  + (" (beta - 2 SE <= 0: the range's low end is W = 1, communication could limit from the first "
+                     "extra rank: say so)" if b_lo <= 0 else ""))
+            v.conclude("Q14", "q14_c_conclusion", "(c) W = 2 against W*",
+                       resolved(lo, hi, 2.0, below="W* below 2: communication limits the step at W = 2",
+                                above="W* above 2: compute limits the step at W = 2", point=point,
+                                sides=("communication-limited", "compute-limited")))
+            e_lo, e_hi = eff2(a_hi, b_lo), eff2(a_lo, b_hi)
+            m = weak.get(2)
+            if m and not math.isfinite(point):  # the template's rule: with no W*, (d) is undecided
+                v.conclude("Q14", "q14_d_conclusion", "(d) at W = 2",
+                           "undecided at this precision: there is no W* (alpha not resolved, so alpha = 0, and "
+                           "c <= T_comp): say so; an answer that concludes agree or do not agree earns half")
+            elif m:
+                m_lo, m_hi = m.get("efficiency_range") or (m["efficiency"], m["efficiency"])
+                agree = m_hi >= e_lo and m_lo <= e_hi
+                v.conclude("Q14", "q14_d_conclusion", "(d) at W = 2",
+                           f"the model predicts an efficiency of {e_lo:.2f} to {e_hi:.2f} (perfect overlap, the fit's "
+                           f"± 2 SE); measured {m['efficiency']:.2f} ({m_lo:.2f} to {m_hi:.2f}): "
+                           + ("they agree (the ranges overlap)" if agree else
+                              "they do not agree (the ranges are apart): the answer names what else limits the step "
+                              "(cores shared by the ranks, latency, overlap that is not perfect)"))
+    else:
+        v.add("Q14", "q14_wstar", "W*", "n/a (scaling.json or comm.json missing)")
+        v.conclude("Q14", "q14_c_conclusion", "(c)", "not answerable from these results (no W = 2 fit or no scaling)")
