@@ -67,14 +67,15 @@ import sys
 from pathlib import Path
 
 from .review_decode import Decoded, shown
-from .review_instrumentation import instrumentation_flags
+from .review_instrumentation import defined_names, instrumentation_flags
 from .review_rules import Review
 
-def review_source(data: bytes | str) -> list[dict]:
+def review_source(data: bytes | str, own: set[str] | None = None) -> list[dict]:
     """The flags of one file: ``{"line", "kind", "what", "code"}``, in line order, lines as Python numbers them.
     Bytes are read as the import reads them (their coding cookie or BOM: review_decode.py); text is taken as
     already decoded. A file that does not parse is one flag (``unreadable``): a person reads it (the tests grade
-    it as it is)."""
+    it as it is). ``own``: the private names the whole submission defines (``own_names``); by default this
+    file's."""
     decoded = Decoded(data)
     flags = list(decoded.flags)
     if decoded.runs:
@@ -84,7 +85,7 @@ def review_source(data: bytes | str) -> list[dict]:
             visitor = Review(tree, decoded.lines)
             visitor.visit(tree)
             flags += visitor.flags
-            flags += instrumentation_flags(tree, decoded.lines)
+            flags += instrumentation_flags(tree, decoded.lines, own)
         except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
             flags.append({"line": getattr(err, "lineno", 0) or 0, "kind": "unreadable",
                           "what": f"not reviewed: {type(err).__name__}: {str(err)[:200]}", "code": ""})
@@ -104,12 +105,28 @@ def review_source(data: bytes | str) -> list[dict]:
 MAX_FLAGS_PER_FILE = 200  # a person reads the first ones; a file with more is read whole anyway
 
 
+def own_names(files: dict[str, bytes | str]) -> set[str]:
+    """The private names any of a submission's files defines as its own (review_instrumentation.defined_names):
+    a FlatParameter's ``_index`` set in Task 2 is the student's in Task 3 too."""
+    names: set[str] = set()
+    for data in files.values():
+        decoded = Decoded(data)
+        if decoded.runs:
+            try:
+                names |= defined_names(ast.parse(data))
+            except Exception:  # (review_source says why a file was not reviewed)
+                pass
+    return names
+
+
 def review_files(files: dict[str, bytes | str]) -> list[dict]:
-    """Flags over several files (path -> content), each with its ``file``; past MAX_FLAGS_PER_FILE in a file,
-    one flag (``truncated``) says how many more there were, so that results.json stays small."""
+    """Flags over several files (path -> content) of one submission, each with its ``file``; past
+    MAX_FLAGS_PER_FILE in a file, one flag (``truncated``) says how many more there were, so that results.json
+    stays small."""
     out = []
+    own = own_names(files)
     for path, data in sorted(files.items()):
-        flags = review_source(data)
+        flags = review_source(data, own)
         if len(flags) > MAX_FLAGS_PER_FILE:
             more = len(flags) - MAX_FLAGS_PER_FILE
             flags = flags[:MAX_FLAGS_PER_FILE] + [{"line": flags[MAX_FLAGS_PER_FILE]["line"], "kind": "truncated",

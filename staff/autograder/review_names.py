@@ -100,6 +100,9 @@ BUILTIN_KINDS = {"exec": "dynamic", "eval": "dynamic", "compile": "dynamic", "__
 GETATTR_FAMILY = {"getattr": "get", "hasattr": "get", "setattr": "set", "delattr": "del",
                   "inspect.getattr_static": "get", "operator.attrgetter": "attrgetter"}
 DUNDER_ACCESS = {"__getattribute__": "get", "__getattr__": "get", "__setattr__": "set", "__delattr__": "del"}
+# Namespaces whose attributes may be read by a name held in a variable (``getattr(torch.optim, name)``: an
+# optimizer chosen by its name): they hold classes and functions of the model's maths, nothing of the grader's.
+READ_BY_NAME = {"torch.optim", "torch.optim.lr_scheduler", "torch.nn", "torch.nn.init", "torch.nn.functional"}
 OPEN_CALLS = {"open", "io.open", "os.open", "codecs.open", "pathlib.Path", "pathlib.PosixPath", "os.listdir",
               "os.scandir", "os.readlink", "os.walk", "os.stat", "os.lstat", "glob.glob", "glob.iglob",
               "os.fdopen", "io.FileIO", "pathlib.PurePath", "os.path.realpath", "os.path.exists"}

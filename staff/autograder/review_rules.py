@@ -17,7 +17,14 @@ Narrowed for honest code (issue 36, item 3), and why:
 - ``getattr(obj, name)``/``setattr(obj, name, v)`` with ``name`` a plain variable on an object of the file's own
   (a submodule from ``named_modules()``, a parameter): Task 1 and Task 2 set a module's parameters by name this
   way. The name is still flagged where it is built (a built string that makes a flagged name is a flag).
-- ``cls.__bases__[...].__name__`` (a base class's name, a string): Task 7's error messages name the user's class.
+- ``cls.__mro__``/``__bases__``/``__base__`` read (issue 40): Task 7 names the user's class behind a dynamic
+  subclass; every class a walk reaches is a class to the review, so ``type(t).__mro__[1].size = f`` and
+  ``for b in cls.__mro__: b.size = f`` are patches.
+- ``x.__dict__``/``vars(x)`` of a value of the file's own, and a class's read-only ``__dict__`` (issue 40):
+  ``owner.__dict__[attr] = view`` is how a plain tensor attribute is set past nn.Module.__setattr__. A module's
+  ``__dict__`` stays a patch.
+- ``getattr(torch.optim, name)`` and the like (``READ_BY_NAME``): reading a class by its name from a namespace
+  that holds nothing else to reach.
 - a literal ``getattr`` name that is not a dunder Python defines and not a flagged name (``getattr(dist,
   'all_gather_single', None)``: feature detection across torch versions; ``getattr(module, '__fsdp_state__')``:
   the submission's own attribute).
@@ -34,8 +41,8 @@ import re
 
 from .review_decode import shown
 from .review_names import (ATTRIBUTE_KINDS, BUILTIN_KINDS, CLASS_WALKS, DOTTED_KINDS, DUNDER_ACCESS, ENVIRON_EDITS,
-                           GETATTR_FAMILY, INTROSPECTION, MODULE_KINDS, NAME_READS, OPEN_CALLS, PREFIX_KINDS,
-                           PYTHON_DUNDERS, name_kind, string_kind)
+                           GETATTR_FAMILY, INTROSPECTION, MODULE_KINDS, OPEN_CALLS, PREFIX_KINDS,
+                           PYTHON_DUNDERS, READ_BY_NAME, name_kind, string_kind)
 from .review_scopes import CLASS, UNKNOWN, Scopes
 
 PATH_EDITS = {"insert", "append", "extend", "remove", "pop", "clear", "__setitem__", "__delitem__", "__iadd__"}
@@ -121,9 +128,9 @@ class Review(ast.NodeVisitor):
             full = self.resolved(full_node) if full_node is not None else ""
             self.flag(node, ATTRIBUTE_KINDS[attr], via or full or f".{attr}")
             flagged = True
-        elif attr in INTROSPECTION and not (attr in CLASS_WALKS and isinstance(ctx, ast.Load) and
-                                            full_node is not None and self.reads_only_a_name(full_node)):
-            patch = attr == "__builtins__" or (attr == "__dict__" and self.resolved(obj))
+        elif attr in INTROSPECTION and not self.own_introspection(obj, attr, ctx):
+            patch = attr == "__builtins__" or (attr == "__dict__" and self.resolved(obj)) or \
+                (attr in CLASS_WALKS and not isinstance(ctx, ast.Load))
             self.flag(node, "patch" if patch else "introspection", via or f"{_short(obj)}.{attr}")
             flagged = True
         else:
@@ -143,16 +150,24 @@ class Review(ast.NodeVisitor):
             flagged = True
         return flagged
 
-    def reads_only_a_name(self, node: ast.AST) -> bool:
-        """``cls.__bases__[-1].__name__``: the walk ends in a class's name."""
-        cur, parent = node, node._rv_parent
-        while True:
-            if isinstance(parent, ast.Subscript) and parent.value is cur:
-                cur, parent = parent, parent._rv_parent
-            elif isinstance(parent, ast.Attribute) and parent.value is cur and parent.attr in CLASS_WALKS:
-                cur, parent = parent, parent._rv_parent
-            else:
-                return isinstance(parent, ast.Attribute) and parent.value is cur and parent.attr in NAME_READS
+    def own_introspection(self, obj: ast.AST, attr: str, ctx: ast.AST) -> bool:
+        """Honest FSDP code's reads of ``__dict__`` and of a class walk (issue 40, item 6), not flagged:
+        - ``x.__dict__`` of a value of the file's own (a module of the model, the student's FlatParameter, self):
+          ``owner.__dict__[attr] = view`` sets a plain tensor attribute past nn.Module.__setattr__,
+          ``module.__dict__.get("_fsdp_unit")`` reads one without nn.Module.__getattr__. (A module's or a
+          torch class's namespace is still flagged; a private name of the tests' instrumentation used as a key is
+          flagged by review_instrumentation.py.) A class's ``__dict__`` is read-only: reading it is honest too.
+        - ``cls.__mro__``, ``__bases__``, ``__base__`` read: the classes reached are classes (review_scopes.py), so
+          what is assigned on them is flagged as a patch, where it happens.
+        Assigning or deleting any of these is flagged."""
+        if not isinstance(ctx, ast.Load):
+            return False
+        if attr in CLASS_WALKS:
+            return True
+        if attr == "__dict__":
+            found = self.scopes.origin(obj)
+            return not found or found == CLASS
+        return False
 
     # ---- names --------------------------------------------------------------------------------------------
     def visit_Name(self, node: ast.Name) -> None:
@@ -181,9 +196,10 @@ class Review(ast.NodeVisitor):
         args = node.args
         if builtin in ("exec", "eval", "compile", "__import__"):
             self.flag(node, "dynamic", f"{builtin}(...)")
-        elif builtin == "vars":
+        elif builtin == "vars":  # vars(x) is x.__dict__; vars() is the caller's namespace
             patch = bool(args) and bool(self.resolved(args[0]))
-            self.flag(node, "patch" if patch else "introspection", f"vars({_short(args[0]) if args else ''})")
+            if not args or not self.own_introspection(args[0], "__dict__", ast.Load()):
+                self.flag(node, "patch" if patch else "introspection", f"vars({_short(args[0]) if args else ''})")
         elif builtin == "globals":
             self.flag(node, "introspection", "globals()")
         elif builtin in GETATTR_FAMILY or name in GETATTR_FAMILY:
@@ -242,6 +258,8 @@ class Review(ast.NodeVisitor):
                 self.flag(node, "introspection", what)
             return
         target = self.scopes.origin(obj)
+        if how == "get" and target in READ_BY_NAME:
+            return  # getattr(torch.optim, name): an optimizer class by its name, nothing else to reach there
         on_reachable = bool(target) and not target.startswith("<builtin>")
         built = not isinstance(name_node, (ast.Name, ast.Attribute, ast.Subscript)) or \
             (isinstance(name_node, ast.Subscript) and isinstance(name_node.slice, ast.Slice))

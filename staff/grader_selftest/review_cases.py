@@ -165,7 +165,7 @@ MORE = {
         {(4, "mmap")}),
     "a torch patch through a class walk": (
         "import torch\n\ndef lie(t):\n    type(t).__mro__[1].size = lambda self: 0\n",
-        {(4, "introspection")}),
+        {(4, "patch")}),  # (issue 40: reading __mro__ is honest; what is assigned on a class it reaches is a patch)
     "fullwidth identifier": (
         "import torch\nimport sys\n\nF = \uff53\uff59\uff53._getframe(0)\n", {(4, "display"), (4, "frame")}),
     "a bidirectional control": (
