@@ -532,3 +532,21 @@ MUTANTS += [
            "post-backward from a hook on each input tensor itself: when an earlier unit also reads that input, the "
            "hook waits for the earlier unit's backward too, and the unit stays unsharded through it"),
 ]
+
+
+# ---- The survivors of issue 41's blind bugs (ids m83..m89): each killed by a public test added for it. ----------
+MUTANTS += [
+    Mutant("m83", 3, "    if isinstance(x, torch.Tensor):\n        return x.to(dtype) if torch.is_floating_point(x) else x",
+           "    if isinstance(x, torch.Tensor):\n        return x.to(dtype) if x.dtype == torch.float32 else x",
+           "under mixed precision casts only float32 inputs: fp64 and fp16 inputs reach the module uncast (the "
+           "docstring says every floating-point tensor)"),
+    Mutant("m84", 6, "        shared.pending_reduce_scatters.append((work, flat_param, grad_shard, grad))",
+           "        shared.pending_reduce_scatters.append((work, flat_param, grad_shard, None))",
+           "keeps no reference to an asynchronous reduce-scatter's input until its wait(): gloo's handle keeps none "
+           "either, so on an asynchronous backend the collective reads freed memory"),
+    Mutant("m85", 3, "        if unit.reshard_after_forward:\n            reshard_unit(unit)",
+           "        if unit.__dict__.setdefault(\"_raf_first_forward\", unit.reshard_after_forward):\n"
+           "            reshard_unit(unit)",
+           "reads reshard_after_forward once, at the unit's first forward, and keeps that value: changing the "
+           "documented switch between iterations does nothing"),
+]

@@ -114,6 +114,7 @@ KIND_OF: dict[str, str] = {
 KIND_OF.update({"m50": "waste", "m51": "async", "m52": "waste", "m53": "waste"})  # issue 25 (helper inv)
 KIND_OF.update({"m69": "state", "m70": "memory", "m71": "precision", "m72": "checkpoint"})  # issue 32 (dtypes)
 KIND_OF.update({"m80": "async", "m81": "async", "m82": "lifecycle"})  # issue 37 (what the public suite let through)
+KIND_OF.update({"m83": "precision", "m84": "async", "m85": "lifecycle"})  # issue 41 (blind bugs the public suite missed)
 
 
 def kind_of(mutant: Mutant) -> str:

@@ -26,6 +26,12 @@ A synchronous call (``async_op=False``) is waited on by torch.distributed itself
 there must be none (a buffer freed or reused while its collective may still write into it is, on a GPU, memory
 corrupted at random; tests/public/invariants.py checks it).
 
+Whatever a late collective reads must stay alive until its ``wait()``: on a GPU the collective reads its input
+later, so an input freed (or its storage resized to 0) before the wait is a use-after-free that corrupts memory at
+random. The handles here keep what gloo's own handles keep (an all-gather's and an all-reduce's tensors) and no
+more: gloo's ``reduce_scatter_tensor(async_op=True)`` keeps no reference to its input, and neither does this one.
+``log.freed_before_wait()`` lists the late collectives whose input was freed before their wait.
+
 Only gloo is wrapped (the autograder's backend). Under NCCL the default group is left alone and
 ``use_counted_collectives`` returns None: tests then skip their counting checks.
 """
@@ -38,6 +44,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 BACKEND_NAME = "fsdp_test_counted"
@@ -64,6 +71,7 @@ class CallLog:
         self.calls: list[Call] = []
         self._lock = threading.Lock()
         self._pending: set[int] = set()  # indices in calls of the late collectives not waited on yet
+        self._freed: list[dict] = []     # late collectives whose input was gone at their wait (freed_before_wait)
         # Optional: called as listener(call, output, sent) when a call is issued: ``output`` is the tensor the
         # caller receives the result in, ``sent`` the tensor this rank contributes (the first, for the list forms;
         # each None for calls without one). Tests tell which unit an all-gather is for by what it sends (``gathered_unit``), never by the
@@ -86,6 +94,13 @@ class CallLog:
             picked = sorted(i for i in self._pending if i >= since)
         return [dict(kind=self.calls[i].kind, numel=self.calls[i].numel, dtype=self.calls[i].dtype, index=i)
                 for i in picked]
+
+    def freed_before_wait(self, since: int = 0) -> list[dict]:
+        """The late collectives issued from ``mark`` ``since`` on whose input (what the collective reads) was freed,
+        or its storage shrunk, before their handle was waited on: on a GPU the collective would have read freed
+        memory. Each: kind, numel, dtype, index (in issue order) and ``how`` ("freed" or "storage resized")."""
+        with self._lock:
+            return [dict(f) for f in self._freed if f["index"] >= since]
 
     def since(self, mark: int = 0) -> list[dict]:
         """The records from ``mark`` on, as plain dicts (they travel back to the test)."""
@@ -110,17 +125,33 @@ def gathered_unit(sent: torch.Tensor | None, units: dict):
 class _LateWork(dist._Work):
     """The handle of a collective whose result reaches the caller's tensors only when it is waited on."""
 
-    def __init__(self, inner, finish, log: CallLog):
+    def __init__(self, inner, finish, log: CallLog, reads=(), keep=()):
         super().__init__()
         self._inner, self._finish, self._done, self._log = inner, finish, False, log
         self._lock = threading.Lock()
+        # What the collective reads, watched without a reference (StorageWeakRef), with the bytes it needs; and
+        # what the handle holds on purpose (``keep``: what gloo's own handle for this kind holds).
+        self._reads = [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()) for t in reads]
+        self._keep = list(keep)
         with log._lock:
             self._index = len(log.calls) - 1  # the call recorded just before its handle is made: this one
             log._pending.add(self._index)
 
+    def _check_reads(self) -> None:
+        how = next(("freed" if ref.expired() else "storage resized"
+                    for ref, nbytes in self._reads
+                    if ref.expired() or torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes() < nbytes), None)
+        if how is not None:
+            call = self._log.calls[self._index]
+            with self._log._lock:
+                self._log._freed.append(dict(kind=call.kind, numel=call.numel, dtype=call.dtype, index=self._index,
+                                             how=how))
+
     def _complete(self) -> None:
         with self._lock:
             if not self._done:
+                self._check_reads()
+                self._keep = []
                 self._inner.wait()
                 with _disable_current_modes(), torch.no_grad():
                     self._finish()
@@ -188,8 +219,10 @@ class CountedProcessGroup(dist.ProcessGroup):
         dtype = str(tensor.dtype) if tensor is not None else ""
         self.log.add(Call(kind, numel, dtype, bool(getattr(opts, "asyncOp", True)), self.size()), output, tensor)
 
-    def _late(self, outputs: list[torch.Tensor], run):
-        """Run the real collective into private copies of ``outputs``; poison ``outputs`` until wait()."""
+    def _late(self, outputs: list[torch.Tensor], run, reads=(), keep=()):
+        """Run the real collective into private copies of ``outputs``; poison ``outputs`` until wait(). ``reads``:
+        the tensors the collective reads, checked to be still alive at wait(); ``keep``: those the handle holds
+        (what gloo's handle of that kind holds)."""
         if not self.late:
             return run(outputs)
         with _disable_current_modes(), torch.no_grad():
@@ -204,7 +237,7 @@ class CountedProcessGroup(dist.ProcessGroup):
         def finish():
             for t, p in zip(outputs, private):
                 t.copy_(p)
-        return _LateWork(work, finish, self.log)
+        return _LateWork(work, finish, self.log, reads, keep)
 
     @staticmethod
     def _snapshot(t: torch.Tensor) -> torch.Tensor:
@@ -216,7 +249,8 @@ class CountedProcessGroup(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts):
         self._record("all_gather", input, opts, output)
         src = self._snapshot(input) if self.late else input
-        return self._late([output], lambda outs: self.inner._allgather_base(outs[0], src, _ag_opts(opts)))
+        return self._late([output], lambda outs: self.inner._allgather_base(outs[0], src, _ag_opts(opts)),
+                          reads=[input], keep=[input])
 
     _allgather_base = all_gather_single
 
@@ -247,7 +281,8 @@ class CountedProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts):
         self._record("reduce_scatter", input, opts, output)
         src = self._snapshot(input) if self.late else input
-        return self._late([output], lambda outs: self._reduce_scatter_wire(outs[0], src, opts))
+        # gloo's handle keeps no reference to a reduce-scatter's input: the caller keeps it alive until wait()
+        return self._late([output], lambda outs: self._reduce_scatter_wire(outs[0], src, opts), reads=[input])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -261,7 +296,7 @@ class CountedProcessGroup(dist.ProcessGroup):
             for o, s in zip(outs, srcs):
                 o.copy_(s)
             return self.inner.allreduce(outs, opts)
-        return self._late(list(tensors), run)
+        return self._late(list(tensors), run, reads=list(tensors), keep=list(tensors))
 
     def allgather(self, output_lists, input_list, opts):
         # Recorded like an all-gather into one tensor (its output: the first output tensor, whose storage is the
@@ -276,7 +311,7 @@ class CountedProcessGroup(dist.ProcessGroup):
         def run(outs):
             it = iter(outs)
             return self.inner.allgather([[next(it) for _ in lst] for lst in output_lists], srcs, opts)
-        return self._late(flat, run)
+        return self._late(flat, run, reads=list(input_list), keep=list(input_list))
 
     def reduce_scatter(self, outputs, input_lists, opts):
         # Recorded like a reduce-scatter of one tensor: the elements this rank contributes (all its chunks).
@@ -285,10 +320,11 @@ class CountedProcessGroup(dist.ProcessGroup):
         if len(outputs) != 1 or len(input_lists) != 1 or len(first) != self.size() or \
                 any(t.shape != outputs[0].shape or t.dtype != outputs[0].dtype for t in first):
             srcs = [[self._snapshot(t) for t in lst] for lst in input_lists] if self.late else input_lists
-            return self._late(list(outputs), lambda outs: self.inner.reduce_scatter(outs, srcs, opts))
+            return self._late(list(outputs), lambda outs: self.inner.reduce_scatter(outs, srcs, opts),
+                              reads=[t for lst in input_lists for t in lst])
         with _disable_current_modes(), torch.no_grad():
             src = torch.cat([t.detach().reshape(-1) for t in first])  # a copy: read before the output is poisoned
-        return self._late(list(outputs), lambda outs: self._reduce_scatter_wire(outs[0], src, opts))
+        return self._late(list(outputs), lambda outs: self._reduce_scatter_wire(outs[0], src, opts), reads=first)
 
     # ---- the rest: recorded, passed through ------------------------------------------------------------------
     def broadcast(self, tensors, opts):

@@ -286,3 +286,33 @@ def test_prefetch_with_a_skipped_unit_and_a_unit_run_twice():
             assert_close(desc["shard"], expected_shard(desc, full), (
                 f"rank {rank}: unit '{desc['prefix'] or '<root>'}' after {len(SKIP_ORDERS)} SGD steps with the block "
                 f"orders {SKIP_ORDERS}: a prefetched gather must never serve parameters of an earlier step"))
+
+
+# ---- Whatever an asynchronous collective reads stays alive until its wait() --------------------------------------
+def _async_inputs(rank, world_size):
+    # Late collectives whose handles hold what gloo's hold: an all-gather's input, but no reduce-scatter's
+    # (tests/public/collectives.py). At every wait() the counter checks that what the collective reads still exists.
+    log = use_counted_collectives(late=True)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    root = hand_shard_gpt(model, hooks=6)
+    root.shared.prefetch = True
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        idx, tgt = local_batch(CFG, rank, world_size, step)
+        optim.zero_grad()
+        gpt_loss(model, idx, tgt).backward()
+        optim.step()
+    return {"freed": log.freed_before_wait(), "async": sorted({c["kind"] for c in log.since() if c["async_op"]})}
+
+
+def test_what_an_async_collective_reads_stays_alive_until_its_wait():
+    for rank, got in enumerate(run_ranks(_async_inputs, 2)):
+        freed = [(c["kind"], c["numel"], c["how"]) for c in got["freed"]]
+        assert not freed, (
+            f"rank {rank}: {len(freed)} asynchronous collectives whose input was gone before their wait() (kind, "
+            f"elements per rank, what happened; the first ones): {freed[:3]}. On a GPU a collective reads its input later, at any moment before wait() "
+            f"returns; memory freed before then is reused, and it reads garbage. Keep a reference of your own to "
+            f"whatever an asynchronous collective reads (a reduce-scatter: the padded gradient you pass it) until "
+            f"you wait() on its handle: gloo's reduce_scatter_tensor handle keeps none (asynchronous collectives "
+            f"issued here: {got['async']})")
