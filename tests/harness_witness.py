@@ -78,8 +78,14 @@ class Witness:
     asked in every run, and a failure it finds is a "witness" failure of this test, and of no other.
     """
 
-    def __init__(self, *, peak_bytes: int | None = None, sent_bytes: int | None = None, deferred: bool = False):
+    def __init__(self, *, peak_bytes: int | None = None, sent_bytes: int | None = None, deferred: bool = False,
+                 marks: int | None = None, held_bytes: dict | None = None, rise_bytes: dict | None = None):
         self.peak_bytes, self.sent_bytes, self.deferred = peak_bytes, sent_bytes, deferred
+        self.marks = marks
+        self.held_bytes = dict(held_bytes or {})
+        self.rise_bytes = dict(rise_bytes or {})
+        if (self.held_bytes or self.rise_bytes) and marks is None:
+            marks = self.marks = 0
         self.measured: list[dict] = []
 
     def check(self, reported: str = "", run_failure: str = "") -> None:
@@ -109,6 +115,8 @@ class Witness:
                         f"take ({_mib(WITNESS_START_ALLOWANCE_BYTES)}) + this test's bound ({_mib(self.peak_bytes)})")
             if self.sent_bytes is not None:
                 problems += _sent_problems(where, m, self.sent_bytes)
+            if self.marks is not None:
+                problems += _reading_problems(where, m, self.marks, self.held_bytes, self.rise_bytes)
         if problems:
             raise RankFailure(
                 "the kernel's witness disagrees with this run: " + "; ".join(problems) + ". The kernel's counts "
@@ -116,6 +124,36 @@ class Witness:
                 "them." + (f"\n\nWhat the ranks reported failed the test's checks too:\n{reported}" if reported else "")
                 + (f"\n\nThe run failed as well:\n{run_failure}" if run_failure else ""),
                 kind="witness", rank=int(problems[0].split(":")[0].split()[1]))
+
+
+def _reading_problems(where: str, m: dict, marks: int, held: dict, rise: dict) -> list[str]:
+    """The readings at the body's marks (harness_rank.witness_mark) and at its return against the test's bounds:
+    ``held[k]``, what the rank may hold at reading k above its level when the body started (k = 1..marks, or
+    "return"); ``rise[k]``, how far its memory may rise above what it held at reading k (0: the body's start)
+    until the body returns."""
+    readings = m.get("readings") or []
+    if len(readings) != marks + 1:
+        return [f"{where}: it asked the parent for {len(readings)} readings of its memory after its body started; "
+                f"this test's body marks {marks} moments and then returns ({marks + 1}): a mark (witness_mark) called "
+                f"from somewhere else, or one skipped"]
+    problems = []
+    for k, bound in sorted(held.items(), key=str):
+        i = marks + 1 if k == "return" else int(k)
+        got = readings[i - 1]["held_bytes"]
+        if got > bound:
+            when = "when its body returned" if i == marks + 1 else f"at the body's mark {i}"
+            problems.append(f"{where}: the kernel saw it hold {_mib(got)} above its level when the body started "
+                            f"{when}, more than this test's bound there of {_mib(bound)}: memory the property frees "
+                            f"by then (full parameters, gradients) was still held")
+    for k, bound in sorted(rise.items(), key=str):
+        i = int(k)
+        base = readings[i - 1]["held_bytes"] if i else 0
+        got = max(r["peak_bytes"] for r in readings[i:]) - base
+        if got > bound:
+            problems.append(f"{where}: the kernel saw its memory rise {_mib(got)} above what it held "
+                            f"{f'at the body mark {i}' if i else 'when the body started'} before the body returned, "
+                            f"more than this test's bound of {_mib(bound)}")
+    return problems
 
 
 def _sent_problems(where: str, m: dict, bound: int) -> list[str]:
@@ -198,7 +236,12 @@ class _KernelSamples:
         self.idle = _forkserver_rss()  # an upper bound of what it holds when it is forked
         self.first_rss = None  # what it held at the parent's first reading, soon after the fork
         self.started = False
-        self.returned = False  # the rank said its body returned (the reading before its closing barrier)
+        # harness_report reads a rank's empty frames as readings it asks for while this is False; it stays False:
+        # after the body's start every empty frame is a reading (body_returned), the marks, then the return.
+        self.returned = False
+        self.readings: list[dict] = []  # at each mark of the body, then at its return (body_returned)
+        self.segment_peak = 0  # the highest rise above start_rss read since the last reading (or the start)
+        self.held_now = 0  # what it held above start_rss at the last sample: resident + beyond its page tables
         self.start_rss = 0
         self.start_wchar = 0
         self.peak_hwm = 0  # highest VmHWM (or VmRSS) read
@@ -256,6 +299,8 @@ class _KernelSamples:
         extra = (hidden or 0) + self.children_bytes + max(0, buffers - WITNESS_SOCKET_BUFFER_BYTES)
         if hidden is not None or extra:
             self.held_peak = max(self.held_peak, st["VmRSS"] - self.start_rss + extra)
+        self.held_now = st["VmRSS"] - self.start_rss + extra
+        self.segment_peak = max(self.segment_peak, hwm - self.start_rss, self.held_now)
         self.buffers_peak = max(self.buffers_peak, buffers)
 
     def body_started(self) -> None:
@@ -269,9 +314,24 @@ class _KernelSamples:
         self.start_wchar = _read_wchar(self.pid) or 0
 
     def body_returned(self) -> None:
-        """The rank's body returned: read its sockets now, before its closing barrier closes gloo's."""
-        self.returned = True
+        """A reading the rank asked for after its body started: at each mark of its body (harness_rank.witness_mark),
+        then when the body returned (its sockets read now, before its closing barrier closes gloo's). They look
+        alike when they come: the last one is the return (the Witness knows how many marks its body makes).
+        Recorded: what the rank holds now above its start, and its peak since the last reading; then its peak is
+        reset (VmHWM through /proc/<pid>/clear_refs, the cgroup's kernel memory peak), so the next reading's peak
+        is that of the next part of the body. The rank waits for the parent's byte meanwhile: nothing it does
+        falls between the sample and the reset. The whole run's peak is the highest of all readings."""
         self.sample(sockets_now=True)
+        self.readings.append({"held_bytes": self.held_now, "peak_bytes": self.segment_peak})
+        self.segment_peak = self.held_now
+        try:
+            with open(f"/proc/{self.pid}/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS now
+            self.last_hwm = _read_status(self.pid).get("VmHWM", self.last_hwm)  # not a reset of the rank's own
+        except OSError:
+            pass  # the segment's peak is then the run's peak so far: a bound on it only looser
+        if isinstance(self.cgroup, RankCgroup) and self.cgroup.started:
+            self.cgroup.reset_peak()
 
     def figures(self, r: _Rank, run_failed: bool = False) -> dict:
         error = ""
@@ -286,7 +346,7 @@ class _KernelSamples:
                      "for the parent's go before it exits)")
         elif self.hwm_fell:
             error = self.hwm_fell
-        elif self.sockets is not None and not self.returned and not run_failed:
+        elif self.sockets is not None and not self.readings and not run_failed:
             error = ("the parent never had its sockets read before its closing barrier (the harness's 'body "
                      "returned' frame did not arrive)")
         out_size = min(_regular_file_size(r.out_path) or 0, WITNESS_OUTPUT_BYTES)
@@ -302,5 +362,5 @@ class _KernelSamples:
                 "socket_sent_bytes": socket_sent, "wchar_sent_bytes": wchar_sent,
                 "wchar_body_bytes": (self.wchar or 0) - self.start_wchar,
                 "received_bytes": self.sockets.received_bytes() if self.sockets is not None else None,
-                "children_bytes": self.children_bytes,
+                "children_bytes": self.children_bytes, "readings": list(self.readings),
                 "socket_buffer_peak_bytes": self.buffers_peak, "samples": self.samples}

@@ -62,6 +62,12 @@ class RankCgroup:
         self.started = self._write("memory.kmem.max_usage_in_bytes", "0")
         self.kmem_start = self._read("memory.kmem.usage_in_bytes") or 0
 
+    def reset_peak(self) -> None:
+        """At a reading the rank asked for (Witness marks): kernel memory's peak counts from here. The peak until
+        now was read just before (the whole run's peak keeps it); kmem_start stays, so what the rank added since
+        its body started still counts."""
+        self._write("memory.kmem.max_usage_in_bytes", "0")
+
     def hidden(self, rss_shmem: int) -> int | None:
         """Bytes the rank holds beyond its resident memory now: shared and tmpfs pages charged to it less those it
         maps (``rss_shmem``, RssShmem: part of its resident memory already), and the peaks of its kernel memory
