@@ -9,7 +9,7 @@ import adapters
 from fsdp_assignment.support.models import GPT, Block, GPTConfig, ToyMLP
 from tests.harness import run_ranks
 from tests.public.collectives import use_counted_collectives
-from tests.public.common import (assert_close, hand_shard_as_built, local_batch, rank_device,
+from tests.public.common import (assert_close, hand_shard, hand_shard_as_built, local_batch, rank_device,
                                  unsharded_storage_sizes, witness_for)
 
 pytestmark = pytest.mark.task3
@@ -143,3 +143,44 @@ def test_saved_views_survive_an_async_gather_that_completes_late():
         flat = torch.cat([p.grad.reshape(-1) for p in block.parameters() if p.requires_grad])
         assert got["flat_grad"] is not None, f"rank {rank}: no gradient reached unsharded.grad through the views"
         assert_close(got["flat_grad"], flat, f"rank {rank}: unsharded.grad (the parameters' gradients, flattened)")
+
+
+# ---- reshard_after_forward is a switch read at every forward -------------------------------------------------------
+SWITCH_CFG = GPTConfig(n_layer=3)
+SWITCHES = [True, False, False, True]  # each unit's reshard_after_forward in consecutive forwards
+
+
+def _switch_reshard(rank, world_size):
+    torch.manual_seed(0)
+    model = GPT(SWITCH_CFG)
+    hand_shard(model, [*model.blocks, model], hooks=3)
+    idx, _ = local_batch(SWITCH_CFG, rank, world_size, step=0)
+    logits, sizes = [], []
+    for switch in SWITCHES:
+        for unit in adapters.fsdp_units(model):
+            unit.reshard_after_forward = switch  # between two forwards, as support/state.py allows
+        with torch.no_grad():
+            logits.append(model(idx))
+        sizes.append(unsharded_storage_sizes(model))
+    return {"logits": logits, "sizes": sizes}
+
+
+def test_reshard_after_forward_is_read_at_every_forward():
+    world_size = 2
+    results = run_ranks(_switch_reshard, world_size)
+    torch.manual_seed(0)
+    model = GPT(SWITCH_CFG)
+    for rank, got in enumerate(results):
+        idx, _ = local_batch(SWITCH_CFG, rank, world_size, step=0)
+        with torch.no_grad():
+            expected = model(idx)
+        for i, switch in enumerate(SWITCHES):
+            where = f"rank {rank}, forward {i} (reshard_after_forward of the forwards so far: {SWITCHES[:i + 1]})"
+            assert_close(got["logits"][i], expected, f"{where}: logits", rtol=1e-6)
+            sizes = got["sizes"][i]
+            assert all(s == 0 for s in sizes) if switch else all(s > 0 for s in sizes), (
+                f"{where}: unsharded storage sizes after the forward {sizes}; with every unit's "
+                f"reshard_after_forward={switch} each unit must be "
+                f"{'resharded (size 0)' if switch else 'left unsharded (size > 0)'}. The tests change "
+                f"unit.reshard_after_forward between forwards (support/state.py): read it at every forward, never "
+                f"keep the value an earlier forward saw")

@@ -478,7 +478,7 @@ def test_a_frozen_weight_tied_across_units_is_rejected():
                 f"trainable or frozen, cannot be sharded again")
 
 
-# ---- Mixed precision casts keyword inputs as it casts positional ones ----------------------------------------------
+# ---- Mixed precision casts every floating-point input, keyword ones and fp64/fp16 ones too ------------------------
 class KeywordInputs(nn.Module):
     """Records the dtypes its forward receives (a positional input and keyword inputs, one of them nested) and
     its floating-point buffer's."""
@@ -492,7 +492,8 @@ class KeywordInputs(nn.Module):
     def forward(self, x, *, scale, extra):
         self.seen.append({"x": str(x.dtype), "scale": str(scale.dtype), "extra.shift": str(extra["shift"].dtype),
                           "extra.index": str(extra["index"].dtype), "buffer gain": str(self.gain.dtype)})
-        return (self.lin(x) * scale + extra["shift"]) * self.gain.to(x.dtype)
+        dtype = self.lin.weight.dtype  # computes whatever arrives: the dtypes recorded above are what is checked
+        return (self.lin(x.to(dtype)) * scale.to(dtype) + extra["shift"].to(dtype)) * self.gain.to(dtype)
 
 
 def _keyword_inputs(rank, world_size):
@@ -502,7 +503,8 @@ def _keyword_inputs(rank, world_size):
     for block in model:
         adapters.fully_shard(block, mixed_precision=policy)
     adapters.fully_shard(model, mixed_precision=policy)
-    x, scale, shift = torch.randn(3, 7), torch.rand(7), torch.randn(7)
+    # Inputs in three floating-point dtypes (fp64, fp16, fp32): each is cast, not only fp32 ones.
+    x, scale, shift = torch.randn(3, 7, dtype=torch.float64), torch.rand(7, dtype=torch.float16), torch.randn(7)
     h = model[0](x, scale=scale, extra={"shift": shift, "index": torch.arange(7)})
     model[1](h, scale=scale, extra={"shift": shift, "index": torch.arange(7)}).float().sum().backward()
     return [block.seen for block in model]
@@ -515,5 +517,6 @@ def test_mixed_precision_casts_keyword_inputs():
         for i, seen in enumerate(got):
             assert seen == [expected], (
                 f"rank {rank}: unit {i}'s forward received inputs of dtypes {seen}; with param_dtype=bf16 every "
-                f"floating-point input, positional or keyword (nested ones included), reaches the forward in bf16 "
-                f"and other tensors unchanged; the module's own buffers keep their dtype: {expected}")
+                f"floating-point input, positional or keyword (nested ones included), whatever its dtype (unit 0 gets "
+                f"x in fp64, scale in fp16, extra.shift in fp32), reaches the forward in bf16 and other tensors "
+                f"unchanged; the module's own buffers keep their dtype: {expected}")
