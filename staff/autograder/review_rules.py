@@ -37,18 +37,29 @@ Narrowed for honest code (issue 36, item 3), and why:
 from __future__ import annotations
 
 import ast
+import functools
 import re
 
 from .review_decode import shown
 from .review_names import (ATTRIBUTE_KINDS, BUILTIN_KINDS, CLASS_WALKS, DOTTED_KINDS, DUNDER_ACCESS, ENVIRON_EDITS,
                            GETATTR_FAMILY, INTROSPECTION, MODULE_KINDS, OPEN_CALLS, PREFIX_KINDS,
-                           PYTHON_DUNDERS, READ_BY_NAME, name_kind, string_kind)
+                           PYTHON_DUNDERS, READ_BY_NAME, BUILT_NAME_KINDS, name_kind, string_kind)
 from .review_scopes import CLASS, UNKNOWN, Scopes
 
 PATH_EDITS = {"insert", "append", "extend", "remove", "pop", "clear", "__setitem__", "__delitem__", "__iadd__"}
 TERMINAL_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x9b]")  # ESC, CR, ... (a tab or a newline is text)
 CALLS_JUDGED = {"exec", "eval", "compile", "__import__", "vars", "globals"}  # visit_Call flags these calls
 STRING_OPS = (ast.JoinedStr, ast.BinOp, ast.Call, ast.Subscript, ast.FormattedValue)
+
+
+@functools.lru_cache(maxsize=1)
+def _flagged_attribute_names() -> frozenset[str]:
+    from .review_instrumentation import instrumentation_names
+    frames = {f"{prefix}_{n}" for prefix in ("f", "tb", "gi", "cr", "ag", "co") for n in
+              ("back", "locals", "globals", "builtins", "code", "trace", "frame", "next", "lasti", "lineno",
+               "consts", "names", "varnames", "filename", "name", "await", "yieldfrom", "running", "suspended")}
+    return frozenset(set(ATTRIBUTE_KINDS) | INTROSPECTION | PYTHON_DUNDERS | set(BUILT_NAME_KINDS) | frames |
+                     set(instrumentation_names()))
 
 
 def _short(node: ast.AST) -> str:
@@ -263,12 +274,24 @@ class Review(ast.NodeVisitor):
         on_reachable = bool(target) and not target.startswith("<builtin>")
         built = not isinstance(name_node, (ast.Name, ast.Attribute, ast.Subscript)) or \
             (isinstance(name_node, ast.Subscript) and isinstance(name_node.slice, ast.Slice))
+        if built and not on_reachable and not self.may_spell_a_flagged_name(name_node):
+            return  # setattr(module, f"_buf_{i}", t): its known parts rule out every name the review flags
         if built or on_reachable:
             where = ("a class" if target and target.startswith(CLASS) else f"{target}" if on_reachable
                      else _short(obj))
             kind = "patch" if how in ("set", "del") and on_reachable else "dynamic"
             self.flag(node, kind, f"{spelt.split('(')[0]}({_short(obj)}, <{'built' if built else 'variable'} "
                                   f"name>) on {where}: the review cannot tell which attribute")
+
+    def may_spell_a_flagged_name(self, node: ast.AST) -> bool:
+        """Whether a name built at run time could come out as a name the review flags on any object (a frame's or
+        a code object's attribute, a dunder Python defines, a private name of the tests' instrumentation): its
+        known parts, with anything in the unknown ones, match one. ``f"_buf_{i}"`` cannot; ``'f_' + x`` can."""
+        text, _ = self.scopes.partial(node)
+        if not text.replace(UNKNOWN, ""):
+            return True
+        pattern = re.compile("".join(".*" if c == UNKNOWN else re.escape(c) for c in text), re.DOTALL)
+        return any(pattern.fullmatch(name) for name in _flagged_attribute_names())
 
     # ---- stores through subscripts ------------------------------------------------------------------------
     def visit_Subscript(self, node: ast.Subscript) -> None:

@@ -301,3 +301,31 @@ def h(module, name, tensor):
 
 REF = weakref.WeakKeyDictionary()
 '''
+
+# Issue 40 (item 6): the review no longer flags honest FSDP idioms (``__dict__`` of the submission's own objects,
+# ``__mro__`` read, ``getattr(torch.optim, name)``, a built name that cannot spell a flagged one, the tests'
+# private names where the submission defines them). Each narrowing keeps what reaches the grader's objects flagged.
+ISSUE_40 = {
+    "a patch on each class of a walk": (
+        "import torch\n\ndef lie(t):\n    for base in type(t).__mro__:\n        base.size = lambda self: 0\n",
+        {(5, "patch")}),
+    "a class's bases replaced": (
+        "import torch\n\ndef rebase(cls):\n    cls.__bases__ = (object,)\n", {(4, "patch")}),
+    "a module's namespace read": (
+        "import torch\n\nNS = torch.distributed.__dict__\n", {(3, "patch")}),
+    "vars() of a module": ("import torch\nimport torch.distributed as dist\n\nNS = vars(dist)\n", {(4, "patch")}),
+    "the tests' counter through an object's __dict__": (
+        "import torch\n\ndef mute(group, f):\n    group.__dict__['_record'] = f\n", {(4, "harness")}),
+    "the tests' log through vars()": (
+        "import torch\n\ndef peek(work):\n    return vars(work).get('_log')\n", {(4, "harness")}),
+    "a private name set on someone else's object": (
+        "import torch\n\ndef forge(work, fake):\n    work._log = fake\n    return work._log._pending\n",
+        {(4, "harness"), (5, "harness")}),
+    "a built name that can spell a frame's attribute": (
+        "import torch\n\ndef peek(frame, which):\n    return getattr(frame, 'f_' + which)\n", {(4, "dynamic")}),
+    "a built name that can spell the tests' private name": (
+        "import torch\n\ndef peek(work, which):\n    return getattr(work, f'_{which}')\n", {(4, "dynamic")}),
+    "getattr(torch, name)": ("import torch\n\ndef pick(name):\n    return getattr(torch, name)\n", {(4, "dynamic")}),
+    "setattr(torch.optim, name, f)": (
+        "import torch\n\ndef swap(name, f):\n    setattr(torch.optim, name, f)\n", {(4, "patch")}),
+}

@@ -15,7 +15,7 @@ import pytest
 
 from staff.autograder import grade, results_schema, review
 from staff.grader_selftest.mutant_grading import reference_student_files
-from staff.grader_selftest.review_cases import HONEST, ISSUE_36, MORE
+from staff.grader_selftest.review_cases import HONEST, ISSUE_36, ISSUE_40, MORE
 
 pytestmark = pytest.mark.staff
 
@@ -73,7 +73,7 @@ def test_each_case_is_flagged_with_its_line(case):
     assert got == expected, f"{case}: flagged {got}, expected {expected}"
 
 
-EVASIONS = {**ISSUE_36, **MORE}
+EVASIONS = {**ISSUE_36, **MORE, **ISSUE_40}
 
 
 @pytest.mark.parametrize("case", sorted(EVASIONS))
@@ -180,6 +180,63 @@ def test_the_reference_and_the_staff_alternatives_flag_nothing():
     files.update({str(p.relative_to(ROOT)): p.read_text() for p in sorted(alternatives.glob("task*.py"))})
     stubs = {rel: (ROOT / rel).read_text() for rel in grade.task_files(ROOT)}
     assert review.review_files({**files, **{"stub/" + k: v for k, v in stubs.items()}}) == []
+
+
+CORPUS = ROOT / "staff" / "grader_selftest" / "honest_corpus"
+# Issue 40's idioms of honest FSDP code (each in the corpus, spelt as a student spells it): the corpus must keep
+# showing every one, or a narrowing of the review could go untested.
+CORPUS_IDIOMS = ("__dict__.pop(attr", "__dict__[attr] = view", '__dict__.get("_fsdp_unit")', "cls.__mro__",
+                 "type(module).__mro__", "torch.utils.swap_tensors(", "self._index = index", "flat._index",
+                 "flat_param_of(u)._index", "del owner._parameters[attr]", "nn.Module.__setattr__(",
+                 "object.__setattr__(", "type(name, (FSDPMixin, cls)", "module.__class__ = ", "setattr(sub, name",
+                 "register_multi_grad_hook(", "Variable._execution_engine.queue_callback(", "untyped_storage().resize_(0)",
+                 "param.data = ", "weakref.ref(", "weakref.finalize(", "functools.partial(", "@contextlib.contextmanager",
+                 "@dataclasses.dataclass", "enum.Enum", "register_forward_pre_hook(", "register_full_backward_pre_hook(",
+                 "register_post_accumulate_grad_hook(", ".register_hook(", "getattr(torch.optim, ", "vars(module)",
+                 "self.__dict__.update(", "__slots__", "p._order = i", 'setattr(module, f"_buf_{i}"', "self._record",
+                 "_reduce_scatter_base(", "torch.Tensor._make_subclass(")
+
+
+def _corpus() -> dict[str, dict[str, str]]:
+    """{student: {fsdp_assignment/taskN_*.py: text}}: one submission per folder of the honest corpus."""
+    return {student.name: {p.relative_to(student).as_posix(): p.read_text()
+                           for p in sorted(student.glob("fsdp_assignment/task*.py"))}
+            for student in sorted(CORPUS.iterdir()) if student.is_dir()}
+
+
+def test_the_honest_corpus_flags_nothing(capsys):
+    """Issue 40, item 6: honest FSDP code written in other styles than the staff's (staff/grader_selftest/
+    honest_corpus, one submission per folder, reviewed as a TA reviews a folder of submissions) gets no finding,
+    and the corpus holds every idiom the issue names. (Before issue 40 the review gave it 12 flags.)"""
+    corpus = _corpus()
+    assert len(corpus) >= 4 and all(corpus.values()), sorted(corpus)
+    text = "\n".join(t for files in corpus.values() for t in files.values())
+    assert [idiom for idiom in CORPUS_IDIOMS if idiom not in text] == []
+    assert review.main([str(CORPUS)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("nothing flagged") == len(corpus), out
+
+
+def test_a_private_name_is_the_submissions_where_any_of_its_files_defines_it():
+    """The student's FlatParameter defines ``_index`` in Task 2 and Task 3 reads it: reviewed as one submission,
+    nothing; Task 3 alone (where nothing defines it) is flagged, as the tests' counter's ``_index`` would be."""
+    files = _corpus()["dict_views"]
+    alone = review.review_source(files["fsdp_assignment/task3_forward.py"])
+    assert {f["kind"] for f in alone} == {"harness"} and all("_index" in f["what"] for f in alone), alone
+    assert review.review_files(files) == []
+    # Assigning the name on an object the function was handed defines nothing (the lie's own move).
+    lie = dict(files, **{"fsdp_assignment/task9_x.py": "def f(work):\n    work._pending = set()\n"})
+    del lie["fsdp_assignment/task3_forward.py"], lie["fsdp_assignment/task4_backward.py"]
+    assert [(f["line"], f["kind"]) for f in review.review_files(lie)] == [(2, "harness")]
+
+
+def test_the_torch_names_the_instrumentation_shares_are_torchs():
+    """A private name of the tests' classes that torch's ProcessGroup or torch.distributed defines too is not
+    flagged (``dist._reduce_scatter_base`` is torch's); the list names exactly those."""
+    import torch.distributed as dist
+    from staff.autograder.review_instrumentation import TORCH_NAMES, instrumentation_names
+    torch_names = set(dir(dist.ProcessGroup)) | set(dir(dist.distributed_c10d)) | set(dir(dist.Work))
+    assert TORCH_NAMES == set(instrumentation_names()) & torch_names
 
 
 def _graded_tree(tmp_path: Path) -> tuple[Path, Path]:
