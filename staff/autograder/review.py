@@ -25,12 +25,15 @@ descriptor), ``gc`` (walking the garbage collector's objects), ``ctypes`` (ctype
 file mappings: mmap, memfd, shared_memory, ``_posixshmem``, ``torch.from_file``, ``numpy.memmap``), ``path``
 (``/proc``, ``/dev``, ``/sys``, ``/tmp``, cgroups in a string however it is built, and ``open``/``os.open``/
 ``Path`` of a path built at run time), ``patch`` (an assignment, ``del``, ``setattr``/``delattr`` or
-``object.__setattr__`` on anything rooted in an import or on the class of an object, through any alias, module-level
-or local; a module's ``__dict__``/``vars()``; ``builtins``), ``introspection`` (``__dict__``, ``__globals__``,
-``__subclasses__``, ``__bases__``, ``__mro__``, ``__code__``, ``__closure__``, ``globals()``, ``vars()``, a dunder
-through getattr), ``sys.modules``, ``signal`` (signals, ``os.kill``, pidfds, the parent's pid, sessions),
+``object.__setattr__`` on anything rooted in an import or on the class of an object, or on a class reached by a
+walk of ``__mro__``/``__bases__``, through any alias, module-level or local; a module's ``__dict__``/``vars()``;
+``builtins``), ``introspection`` (``__globals__``, ``__subclasses__``, ``__code__``, ``__closure__``, ``globals()``,
+``vars()``, a dunder through getattr; not ``__dict__``/``vars(x)`` of the submission's own objects nor a read of
+``__mro__``, which honest FSDP code uses), ``sys.modules``, ``signal`` (signals, ``os.kill``, pidfds, the parent's pid, sessions),
 ``process`` (``os.fork``, ``subprocess``, ``multiprocessing``, ``exec*``/``spawn*``, ``posix_spawn``),
-``harness`` (``tests``, ``pytest``, ``staff``, ``adapters``, ``conftest``), ``dynamic`` (``exec``, ``eval``,
+``harness`` (``tests``, ``pytest``, ``staff``, ``adapters``, ``conftest``; a private attribute of the tests'
+instrumentation, ``_log``, ``_pending``, ``_record``, ..., that no file of the submission defines as its own:
+review_instrumentation.py), ``dynamic`` (``exec``, ``eval``,
 ``compile``, ``__import__``, ``importlib``, ``pkgutil``, ``marshal``, ``pickle.loads``, ``types.FunctionType``,
 ``copyreg``, ``sys.path``/``sys.meta_path`` edits, and ``getattr``/``setattr``/``hasattr`` with a name built
 at run time, or held in a variable on a module or a class: code this review cannot read), ``socket``, ``environment`` (edits of ``os.environ``,
@@ -39,7 +42,8 @@ at run time, or held in a variable on a module or a class: code this review cann
 ``os.fork``, ``posix.fork``, ``from os import fork as f``, ``getattr(os, 'fo' + 'rk')`` are one name (aliases are
 followed, strings built by concatenation, f-strings, join, ``os.path.join``, ``chr``, slicing are folded). A
 correct implementation written from the release needs none of it (a staff test checks that the reference, the
-stubs and the staff alternatives flag nothing); a flag is not a verdict: a person reads the line.
+stubs, the staff alternatives and an honest corpus written in other styles, staff/grader_selftest/honest_corpus,
+flag nothing); a flag is not a verdict: a person reads the line.
 
 What it cannot see (what the runtime audit, tests/rank_audit.py, is for): what code does at run time with values
 the file does not spell: a name assembled from data the review cannot fold (read from a file, from a tensor, or
