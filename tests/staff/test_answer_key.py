@@ -241,3 +241,32 @@ def test_the_run_all_timing_claims_agree():
     seconds = json.loads((RESULTS / "run.json").read_text())["seconds"]
     assert 0.9 * 279 <= seconds <= 1693, f"the key's run took {seconds} s, outside the ranges the README states"
     assert f"`FSDP_IMPL=reference python benchmarks/run_all.py`, {seconds} s." in NUMBERS.read_text(encoding="utf-8")
+
+
+def test_q14d_is_undecided_on_this_machine_when_beta_minus_2se_is_not_positive(tmp_path):
+    """Issue 41: with beta - 2 SE <= 0 the model's W = 2 efficiency range runs down to 0, so any measurement below its
+    top "agrees": the tool said "they agree" there. It now says the comparison is undecided, under the one name
+    Q14 (d) uses for it ("undecided on this machine", as with no W*), and what an answer that concludes anyway
+    earns; the staff run (beta well resolved) keeps its decided verdict."""
+    regenerate = _load("_regenerate_q14d", "staff/answer_key/regenerate.py")
+
+    def q14d(folder: Path) -> str:
+        q14 = regenerate.expected_answers(folder).split("\nQ14\n")[1].split("\nQ15\n")[0]
+        return next(x for x in q14.splitlines() if "EXPECTED CONCLUSION (d)" in x)
+
+    folder = tmp_path / "wide_beta"
+    folder.mkdir()
+    for n in ("memory", "comm", "step", "scaling"):
+        shutil.copy(RESULTS / f"{n}.json", folder / f"{n}.json")
+    comm = json.loads((folder / "comm.json").read_text())
+    for f in comm["alpha_beta"]:
+        f["beta_rel_se"] = 0.6  # beta - 2 SE = -0.2 beta
+    (folder / "comm.json").write_text(json.dumps(comm))
+    line = q14d(folder)
+    assert "predicts an efficiency of 0.00 to" in line, line  # the case: the model's range is open down to 0
+    assert "undecided on this machine: beta - 2 SE <= 0" in line and "they agree (the ranges overlap)" not in line, line
+    assert "earns half" in line, line
+    staff = q14d(RESULTS)
+    assert "undecided" not in staff and ("they agree" in staff or "they do not agree" in staff), staff
+    for text in (line, staff):
+        assert "undecided at this precision" not in text, text  # one name for Q14 (d)'s undecided case
