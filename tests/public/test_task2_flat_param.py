@@ -196,3 +196,41 @@ def test_sharded_meta_init_matches_eager_init_one_unit_at_a_time(world_size):
             f"rank {rank}: peak {got['peak']} bytes during materialization > shards ({got['shard_bytes']}) + "
             f"the largest unit's padded full parameters ({got['max_unit_bytes']}): at most one unit's "
             "full parameters may be alive at a time, besides the shards (Task 1's contract; hints/task1/)")
+
+
+# ---- A frozen unit's shard stays frozen through meta-device init --------------------------------------------------
+def _materialize_frozen(rank, world_size):
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2))
+    for p in [*model.wte.parameters(), *model.wpe.parameters(), *model.blocks[0].parameters()]:
+        p.requires_grad_(False)  # the root's embeddings (tied to lm_head) and all of block 0 frozen
+    hand_shard_gpt(model, hooks=None)  # FlatParameters only: a trainable and a frozen one per unit where both occur
+    adapters.materialize_meta_module(model, "cpu")
+    registered = {n: p.requires_grad for n, p in model.named_parameters()}
+    return {"flat": describe_flat_params(model), "registered": registered}
+
+
+def test_sharded_meta_init_keeps_frozen_shards_frozen():
+    """Task 1's materialize_meta_module on units with frozen FlatParameters (needs Tasks 1 and 2)."""
+    torch.manual_seed(5)
+    eager = GPT(GPTConfig(n_layer=2))
+    full = {n: p for n, p in eager.named_parameters(remove_duplicate=False)}
+    frozen = {n for n in full if n.startswith(("wte.", "wpe.", "lm_head.", "blocks.0."))}
+    for rank, got in enumerate(run_ranks(_materialize_frozen, 2)):
+        assert any(d["prefix"] + n in frozen for d in got["flat"] for n in d["param_names"]), \
+            f"rank {rank}: no FlatParameter holds the frozen parameters"
+        for desc in got["flat"]:
+            names = [desc["prefix"] + n for n in desc["param_names"]]
+            should = not any(n in frozen for n in names)
+            assert desc["requires_grad"] == should, (
+                f"rank {rank}: after materialize_meta_module the shard of unit '{desc['prefix'] or '<root>'}' over "
+                f"{names[:3]}... has requires_grad={desc['requires_grad']}; its parameters are "
+                f"{'trainable' if should else 'frozen'}: a materialized shard keeps its FlatParameter's "
+                f"requires_grad (Task 1: frozen stays frozen), or the optimizer trains what the user froze")
+            assert torch.equal(desc["shard"], expected_shard(desc, full)), \
+                f"rank {rank}: shard of unit '{desc['prefix'] or '<root>'}' differs from eager init"
+        wrong = {n: rg for n, rg in got["registered"].items() if rg != ("frozen" not in n.rpartition(".")[2])}
+        assert not wrong, (
+            f"rank {rank}: parameters registered on the modules after materialize_meta_module with the wrong "
+            f"requires_grad: {wrong} (a frozen FlatParameter's shard is registered as _fsdp_flat_param_frozen)")
