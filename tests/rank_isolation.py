@@ -12,7 +12,9 @@ that keep a rank from harming the machine or the grader, all applied inside the 
   root, the system calls a rank may not make (``refuse_hidden_memory``: memory the grader could not count, and
   every channel to another process but the process group: new processes, unix sockets, System V IPC, message
   queues, userfaultfd, signals to other pids), then the rank user with umask 077, right before the body.
-  ``explain_refusal`` and ``limits_note`` say so when a refused call or a limit fails a rank.
+  ``explain_refusal`` and ``limits_note`` say so when a refused call or a limit fails a rank. Before the drop,
+  the rank's temporary places become its own (tests/rank_places.py: a private tmpfs on /tmp, /dev/shm and its
+  TMPDIR in a mount namespace of its own, where the kernel allows one; else a folder per rank).
 - ``kill_everything_of``: the harness ends every process of the rank user after each run, so nothing a body
   started (a daemon that left its session) outlives it into the next run (the FSDP2 run a test compares with).
 - ``trace_task_calls``: staff measurement (which task functions a test calls; measure_times.py).
@@ -25,9 +27,10 @@ import re
 import resource
 import signal
 import sys
-import tempfile
 import threading
 import time
+
+from tests.rank_places import enter_own_mount_namespace, make_places_private
 
 # Address space a rank may reserve beyond its memory limit: a correct implementation reserves at most 63 MiB more
 # after the limit is set (measured over every public and hidden test); 4x that.
@@ -138,7 +141,11 @@ def close_inherited_fds(keep: set[int]) -> None:
     """Close every descriptor the rank inherited but stdin/out/err and ``keep``: the forkserver's, and the write
     end of the grading process's multiprocessing resource tracker (through which a rank could have the tracker,
     run by the grader, unlink a file or semaphore of the grader's, and fill its log). Nothing of this rank's own
-    is open yet."""
+    is open yet.
+
+    This is the rank's first step, while it has one thread: so it also enters a mount namespace of its own here
+    (tests/rank_places.py), which every thread it starts later shares."""
+    enter_own_mount_namespace()
     from multiprocessing import resource_tracker
     tracker = resource_tracker._resource_tracker
     for name in os.listdir("/proc/self/fd"):
@@ -170,13 +177,16 @@ def trace_task_calls(path: str) -> None:
     sys.setprofile(profile)
 
 def drop_privileges(uid: int, gid: int) -> None:
+    # First, still root, the rank's own temporary places (tests/rank_places.py): a private tmpfs on /tmp, /dev/shm
+    # and its TMPDIR where it has a mount namespace, else a folder of its own. _run_body set TMPDIR to the run's
+    # rank_dir/tmp and RANK to this rank.
+    make_places_private(os.path.dirname(os.environ["TMPDIR"]), int(os.environ["RANK"]), uid, gid)
     # Every thread of the process (glibc applies setuid to all of them), before any student code runs: the body
     # can then write neither the grader's files nor its results, nor signal the grading process.
     os.setgroups([])
     os.setgid(gid)
     os.setuid(uid)
-    os.environ["HOME"] = os.environ.get("TMPDIR") or tempfile.gettempdir()
-    os.umask(0o077)  # what the body creates in a shared place (/tmp, /dev/shm) is its own user's alone
+    os.umask(0o077)  # what the body creates is its own user's alone
 
 
 def apply_limits(memory_limit_bytes: int | None, limits: dict) -> None:
@@ -235,11 +245,13 @@ def apply_limits(memory_limit_bytes: int | None, limits: dict) -> None:
 # the rank user, so prctl(PR_SET_DUMPABLE) and Yama's PR_SET_PTRACER, which would open it, are refused too), no
 # kernel keyring (add_key, request_key, keyctl: a key outlives the run, and no cleanup step can see it), no io_uring
 # (its reads and writes are no write() calls, so the witness's byte count would miss them); no unix sockets (an
-# abstract one needs no file: socket(AF_UNIX), socketpair), no System V IPC, no POSIX message queue, no
-# userfaultfd; no new process (fork, vfork, a clone without CLONE_THREAD: its memory would be no rank's, and it
-# could outlive the run; threads still start, gloo and torch need them); no signal to another process (kill,
-# tkill, tgkill and pidfd_open name a pid, allowed only for the rank itself, its process group after setsid, or 0;
-# pidfd_send_signal and pidfd_getfd take a descriptor a /proc/<pid> directory can stand for: refused).
+# abstract one needs no file: socket(AF_UNIX), socketpair), no UDP, raw or packet socket (issue 40: 16.8 MB sent
+# over UDP from rank to rank counted as 384 bytes at the TCP sockets, and 97 MB parked in UDP receive queues), no
+# System V IPC, no POSIX message queue, no userfaultfd; no new process (fork, vfork, a clone without CLONE_THREAD:
+# its memory would be no rank's, and it could outlive the run; threads still start, gloo and torch need them); no
+# signal to another process (kill, tkill, tgkill and pidfd_open name a pid, allowed only for the rank itself, its
+# process group after setsid, or 0; pidfd_send_signal and pidfd_getfd take a descriptor a /proc/<pid> directory
+# can stand for: refused).
 # Per architecture: (AUDIT_ARCH, {name: number}); clone3's flags sit in memory a filter cannot read, so it gets
 # ENOSYS and the C library falls back to clone, whose flags it can.
 _SYSCALLS = {
@@ -264,22 +276,24 @@ _REFUSED = ("unshare", "setns", "memfd_create", "memfd_secret", "ptrace", "proce
             "msgsnd", "msgrcv", "msgctl", "mq_open", "userfaultfd", "pidfd_send_signal", "pidfd_getfd")
 _CLONE_NEW_ANY = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 _CLONE_THREAD = 0x00010000
-_AF_UNIX = 1
+_AF_UNIX, _AF_INET, _AF_INET6, _AF_NETLINK = 1, 2, 10, 16
+_SOCK_STREAM, _SOCK_TYPE_MASK = 1, 0xF  # the type's low bits (SOCK_NONBLOCK and SOCK_CLOEXEC sit above them)
+_IPPROTO_TCP, _NETLINK_ROUTE = 6, 0
 _PR_SET_DUMPABLE, _PR_SET_PTRACER = 4, 0x59616D61  # prctl options refused (its others, thread names etc., are not)
 # What a rank is told when it makes one of these calls (tests/harness.py adds it to an EPERM's message).
 REFUSED_NOTE = ("the grader refuses this system call in a rank: ranks share nothing but their process group (no "
-                "new process: fork, subprocess, os.system; no unix socket, System V IPC, message queue, "
-                "userfaultfd or memfd; no signal to another process); threads, files in the rank's folder and "
-                "torch.distributed are fine")
+                "new process: fork, subprocess, os.system; no unix, UDP or raw socket, System V IPC, message "
+                "queue, userfaultfd or memfd; no signal to another process); threads, files in the rank's folder "
+                "and torch.distributed are fine")
 _filter_installed = False
 
 
 def _filter_program(audit_arch: int, nr: dict, pid: int) -> list[tuple]:
     """The BPF program: (code, jump if true, jump if false, k), jumps given as labels and resolved at the end.
     seccomp_data is {int nr; u32 arch; u64 ip; u64 args[6]}: args[i]'s low 32 bits at 16 + 8 i."""
-    LD_W_ABS, JEQ, JSET, RET = 0x20, 0x15, 0x45, 0x06
+    LD_W_ABS, JEQ, JSET, RET, ALU_AND = 0x20, 0x15, 0x45, 0x06, 0x54
     ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    arg0 = (LD_W_ABS, 0, 0, 16)
+    arg0, arg1, arg2 = (LD_W_ABS, 0, 0, 16), (LD_W_ABS, 0, 0, 24), (LD_W_ABS, 0, 0, 32)
     own = [pid, 0, -pid & 0xFFFFFFFF]  # itself, its process group (0, or -pgid: a rank is its group's leader)
     code: list = [
         (LD_W_ABS, 0, 0, 4), (JEQ, 0, "deny", audit_arch),  # another ABI (i386 on x86_64): no
@@ -296,7 +310,15 @@ def _filter_program(audit_arch: int, nr: dict, pid: int) -> list[tuple]:
         (RET, 0, 0, ALLOW),
         "clone", arg0, (JSET, "deny", 0, _CLONE_NEW_ANY), (JSET, "allow", "deny", _CLONE_THREAD),
         "prctl", arg0, (JEQ, "deny", 0, _PR_SET_DUMPABLE), (JEQ, "deny", "allow", _PR_SET_PTRACER),
-        "socket", arg0, (JEQ, "deny", "allow", _AF_UNIX),
+        # Sockets: TCP over IPv4 or IPv6 (the process group's, counted at the sockets), and the routing netlink
+        # socket the C library reads the machine's addresses through (getaddrinfo, getifaddrs; an unprivileged
+        # process can send nothing to another socket on it). No UDP, raw or packet socket (bytes the sockets'
+        # count of TCP would not see), no unix socket, no other family.
+        "socket", arg0, (JEQ, "inet", 0, _AF_INET), (JEQ, "inet", 0, _AF_INET6),
+        (JEQ, "netlink", "deny", _AF_NETLINK),
+        "inet", arg1, (ALU_AND, 0, 0, _SOCK_TYPE_MASK), (JEQ, 0, "deny", _SOCK_STREAM),
+        arg2, (JEQ, "allow", 0, 0), (JEQ, "allow", "deny", _IPPROTO_TCP),
+        "netlink", arg2, (JEQ, "allow", "deny", _NETLINK_ROUTE),
         "kill", arg0, (JEQ, "allow", 0, own[1]), (JEQ, "allow", 0, own[2]), (JEQ, "allow", "deny", own[0]),
         "self", arg0, (JEQ, "allow", "deny", pid),
         "enosys", (RET, 0, 0, ENOSYS),

@@ -112,8 +112,22 @@ def cannot_read(user: str, path: str, blocker: str) -> str:
         mode = ""
     return (f"user {user!r} cannot read {path}: it cannot enter {blocker}{mode}. Fix it with `chmod o+x {blocker}` "
             f"(others may then pass through {blocker}, not list it), or grade with a Python outside it that other "
-            f"users can read: a virtualenv, e.g. `python3 -m venv /opt/fsdp` with torch, numpy, pytest and "
-            f"pytest-timeout installed in it, then `/opt/fsdp/bin/python -m staff.autograder.grade ...`")
+            f"users can read: a virtualenv made from the system's Python, e.g. `{python_outside(blocker)} -m venv "
+            f"/opt/fsdp` with torch, numpy, pytest and pytest-timeout installed in it, then "
+            f"`/opt/fsdp/bin/python -m staff.autograder.grade ...`")
+
+
+def python_outside(blocker: str) -> str:
+    """A Python to make the virtualenv from that does not live under ``blocker`` (a venv links to the Python it was
+    made from: `python3 -m venv` run through a pyenv shim under /root would give a venv the rank user still cannot
+    run). The system's, where there is one; /usr/bin/python3 (to install) otherwise."""
+    import shutil
+    candidates = ["/usr/bin/python3", "/usr/local/bin/python3", shutil.which("python3") or ""]
+    for candidate in candidates:
+        real = os.path.realpath(candidate) if candidate else ""
+        if real and os.access(real, os.X_OK) and not (real + "/").startswith(blocker.rstrip("/") + "/"):
+            return candidate
+    return "/usr/bin/python3"
 
 
 def syscall_filter_note(tree: Path) -> str:

@@ -567,3 +567,24 @@ def test_a_process_group_past_the_limits_names_them(monkeypatch):
         run_ranks(_one_group_too_many, 1)
     message = str(info.value)
     assert "the grader's limits were reached" in message and "create fewer process groups" in message, message
+
+
+def test_the_fix_for_a_python_behind_a_private_folder_names_a_python_outside_it():
+    """A venv links to the Python it was made from: `python3 -m venv` through a pyenv shim under /root made a venv
+    the rank user still could not run. The message names a Python that is not under the folder it cannot enter."""
+    from staff.autograder.rank_user import cannot_read, python_outside
+    message = cannot_read("nobody", "/root/.pyenv/versions/3.11.7/bin/python", "/root")
+    named = python_outside("/root")
+    assert f"`{named} -m venv /opt/fsdp`" in message, message
+    assert not os.path.realpath(named).startswith("/root/"), named
+
+
+def test_every_world_writable_place_on_the_image_gets_a_private_tmpfs_in_a_rank():
+    """Issue 40 item 4: a rank with a mount namespace covers tests/rank_places.py's SHARED_PLACES with a tmpfs of its
+    own; a world-writable folder on the image outside that list would still be shared by the ranks. (The files
+    test itself is tests/test_rank_sandbox.py's test_a_file_rank_0_writes_is_not_there_for_rank_1.)"""
+    from staff.autograder.cleanup import MQUEUE_DIR, world_writable_places
+    from tests.rank_places import SHARED_PLACES
+    uncovered = [p for p in world_writable_places() if p != MQUEUE_DIR  # mq_open is refused in a rank
+                 and not any(p == s or p.startswith(s + "/") for s in SHARED_PLACES)]
+    assert not uncovered, f"world-writable, and shared by the ranks: {uncovered} (add them to SHARED_PLACES)"
