@@ -28,6 +28,21 @@ What is reported, and how close the submission must be to the event (rules below
   (FSDP2's swap to a subclass is honest), and ``import`` of a module outside ``ALLOWED_IMPORTS`` not loaded yet
   (an already loaded module raises no event: its use is what the other rules see).
 
+Work the submission starts (issue 40, item 5) is audited as the submission's wherever it runs. Python 3.11 raises
+no event when a thread starts, so ``install`` wraps what starts work: ``_thread.start_new_thread`` (and
+``threading``'s alias of it, so ``threading.Thread``, ``Timer`` and thread pools), ``weakref.finalize`` and
+``atexit.register``. When the first frame outside Python's own library that asks for it is the submission's, the
+callable it passes is marked: while it runs, its thread carries the submission's line, and every event the rules
+would report from submission code is reported at that line ("in a thread started here"), even with no frame of the
+submission's on the stack (``Thread(target=out.extend, args=(map(socket.socket, ...),))``, a finalize callback
+``open`` set off by the harness's frame). Starting a thread or registering an exit handler is itself a finding
+(kinds ``thread``, ``callback``); registering a finalize callback is not (only what it does). Threads that torch
+starts (autograd's engine, gloo: C++ threads) and those the harness or torch starts from their own frames are not
+the submission's. Not followed: callables handed to torch that torch calls with no frame of the submission's
+(a builtin as a tensor hook, ``Future.then``), ``weakref.ref`` callbacks, and work started through the real
+functions if the submission reaches them past the wrappers (the static review flags ``__closure__`` and patches
+of ``threading``/``_thread``).
+
 What Python 3.11 raises no event for (the static review, staff/autograder/review.py, covers these): assigning an
 attribute of a class or a module (``torch.UntypedStorage.size = f``, ``dist.all_reduce = f``), ``__dict__``,
 ``__globals__``, ``__subclasses__``, ``sys.modules``, ``f_back``/``f_locals``/``f_globals`` of a frame already
@@ -112,6 +127,8 @@ def install(write_fd: int, token: str, rank_dir: str, tree: str = _TREE) -> None
     tree = tree.rstrip("/") + "/"
     rank_dir = rank_dir.rstrip("/") + "/"
     python_dirs = tuple(sorted({p.rstrip("/") + "/" for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}))
+    stdlib = os.path.dirname(os.__file__).rstrip("/") + "/"  # Python's own library, where threads start
+    site_packages = stdlib + "site-packages/"
     escape = {i: f"\\u{i:04x}" for i in range(32)}
     escape.update({ord('"'): '\\"', ord("\\"): "\\\\"})
     os.set_blocking(write_fd, False)  # a full channel drops a finding (counted), never stalls the rank
@@ -156,7 +173,9 @@ def install(write_fd: int, token: str, rank_dir: str, tree: str = _TREE) -> None
             return False
 
     def report(event, args, kind, frame, note="") -> None:
-        rel, line = submission_file(frame.f_code), frame.f_lineno
+        report_at(event, args, kind, submission_file(frame.f_code), frame.f_lineno, note)
+
+    def report_at(event, args, kind, rel, line, note="") -> None:
         key = (event, rel, line)
         if key in seen:
             return
@@ -175,9 +194,69 @@ def install(write_fd: int, token: str, rank_dir: str, tree: str = _TREE) -> None
             if submission_file(code) is not None:
                 return frame
             if code.co_filename.startswith(_IMPORT_SYSTEM):
-                return None  # the body of a module being imported: the import event judged that
+                return False  # the body of a module being imported: the import event judged that
             frame = frame.f_back
         return None
+
+    # ---- work the submission started: threads, weakref.finalize callbacks, exit handlers ----------------------
+    # What runs in a thread the submission started, or in a callback it registered, may have no frame of the
+    # submission's on its stack (a builtin target: Thread(target=out.extend, args=(map(socket.socket, ...),))).
+    # So the audit wraps what starts such work: the wrapped callable marks its thread, while it runs, with the
+    # submission's line that started it, and what is reported there is reported at that line.
+    started: dict = {}  # thread ident -> (file, line, how): running work the submission started
+
+    def starter(frame):
+        """(file, line) of the submission's line that called into Python's own library (threading, weakref,
+        concurrent.futures, ...) to start work, or this thread's own mark when it runs such work; else None
+        (torch or the provided support code starting work is not the submission's doing)."""
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if not (name.startswith(stdlib) and not name.startswith(site_packages)) and \
+                    not name.startswith("<frozen"):
+                rel = submission_file(frame.f_code)
+                if rel is not None:
+                    return rel, frame.f_lineno
+                break
+            frame = frame.f_back
+        mark = started.get(_ident())
+        return mark[:2] if mark is not None else None
+
+    def marked(func, where, how):
+        def run(*args, **kwargs):
+            me = _ident()
+            before = started.get(me)
+            started[me] = (where[0], where[1], how)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                if before is None:
+                    started.pop(me, None)
+                else:
+                    started[me] = before
+        return run
+
+    def starting(event, kind, how, note):
+        """A wrapper of a function that takes a callable (_thread.start_new_thread's first argument,
+        weakref.finalize.__init__'s third, atexit.register's first): the callable is marked when the submission
+        passes it, and the start reported at the submission's line when ``note`` says why (a finalize callback
+        registered is honest; what it does when it runs is what is reported)."""
+        def wrap(real, position):
+            def call(*args, **kwargs):
+                me = _ident()
+                where = None
+                if me not in busy and len(args) > position:
+                    busy.add(me)
+                    try:
+                        where = starter(_getframe(1))
+                        if where is not None:
+                            if note:
+                                report_at(event, (args[position],), kind, where[0], where[1], note)
+                            args = args[:position] + (marked(args[position], where, how),) + args[position + 1:]
+                    finally:
+                        busy.discard(me)
+                return real(*args, **kwargs)
+            return call
+        return wrap
 
     def path_ok(path, writing: bool) -> bool:
         try:
@@ -252,7 +331,12 @@ def install(write_fd: int, token: str, rank_dir: str, tree: str = _TREE) -> None
             return  # importing: the import event itself decides (a module's body, its .pyc, marshal)
         if scope == "deep":
             where = innermost_submission(caller)
-            if where is None or (kind == "file" and file_event_ok(event, args)):
+            if where is False or (kind == "file" and file_event_ok(event, args)):
+                return
+            if where is None:
+                mark = started.get(_ident())  # no submission frame: work the submission started?
+                if mark is not None:
+                    report_at(event, args, kind, *mark)
                 return
             if kind == "patch":
                 name = args[1] if len(args) > 1 else None
@@ -270,14 +354,18 @@ def install(write_fd: int, token: str, rank_dir: str, tree: str = _TREE) -> None
             while frame is not None and (frame.f_code.co_filename.startswith(_IMPORT_SYSTEM)
                                          or frame.f_code.co_filename.endswith(_IMPORTS_FOR_CALLER)):
                 frame = frame.f_back
-            if frame is None or submission_file(frame.f_code) is None or type(name) is not str:
+            mark = started.get(_ident()) if frame is None or submission_file(frame.f_code) is None else None
+            if (mark is None and (frame is None or submission_file(frame.f_code) is None)) or type(name) is not str:
                 return
             native = len(args) > 1 and type(args[1]) is str and args[1].endswith((".so", ".pyd"))
             allowed = name.split(".")[0] in ALLOWED_IMPORTS and not name.startswith(DENIED_IMPORTS)
             if allowed and not native:
                 return
-            report(event, (name,) + ((args[1],) if native else ()), "native" if native else "import", frame,
-                   "a native extension" if native else "not among the modules an FSDP implementation needs")
+            what = "a native extension" if native else "not among the modules an FSDP implementation needs"
+            if mark is not None:
+                report_at(event, (name,), "native" if native else "import", mark[0], mark[1], f"{what}; {mark[2]}")
+            else:
+                report(event, (name,) + ((args[1],) if native else ()), "native" if native else "import", frame, what)
             return
         if event == "object.__getattr__" and (len(args) < 2 or args[1] not in _FRAME_ATTRS):
             return
@@ -288,11 +376,29 @@ def install(write_fd: int, token: str, rank_dir: str, tree: str = _TREE) -> None
             where = above if above is not None and submission_file(above.f_code) is not None else None
         if where is not None:
             report(event, args, kind, where)
+        elif started:  # (empty unless the submission started work: the hot path stays one test)
+            mark = started.get(_ident())
+            if mark is not None and innermost_submission(caller) is None:
+                report_at(event, args, kind, *mark)
 
     def finish() -> None:
         send(f'{{"end": {js(token)}, "sent": {state["sent"]}, "over_cap": {state["over"]}, '
              f'"dropped": {state["dropped"]}}}\n')
 
+    import atexit
+    import threading
+    import weakref
+    thread = starting("thread.start", "thread", "in a thread started here",
+                      "a thread started by the submission: what it runs is reported at this line")
+    for module, name in ((_thread, "start_new_thread"), (_thread, "start_new"), (_thread, "start_joinable_thread"),
+                         (threading, "_start_new_thread"), (threading, "_start_joinable_thread")):
+        real = getattr(module, name, None)
+        if real is not None:  # (3.13 starts threads through start_joinable_thread)
+            setattr(module, name, thread(real, 0))
+    weakref.finalize.__init__ = starting("weakref.finalize", "callback", "in a weakref.finalize callback "
+                                         "registered here", "")(weakref.finalize.__init__, 2)
+    atexit.register = starting("atexit.register", "callback", "in an exit handler registered here",
+                               "ranks end with os._exit: an exit handler never runs there")(atexit.register, 0)
     sys.addaudithook(hook)
     global _finish
     _finish = finish

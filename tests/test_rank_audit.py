@@ -9,7 +9,9 @@ this tree, a file that does not exist): the audit knows submission code by its f
 
 from __future__ import annotations
 
+import atexit
 import collections
+import concurrent.futures
 import ctypes
 import dataclasses
 import enum
@@ -24,8 +26,10 @@ import pickle
 import pkgutil
 import socket
 import sys
+import threading
 import typing
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -129,7 +133,43 @@ def honest(path_in_tmp):
     dist.all_reduce(t)
     import math, functools, itertools
     return Spec().n + Pair(1, 2).a + Named(1).a + Kind.a.value + int(t[0].item())
+def honest_callbacks():
+    m = torch.nn.Linear(2, 2)
+    seen = []
+    m.weight.register_hook(lambda g: seen.append(1) or g)  # autograd runs it
+    weakref.finalize(m, seen.clear)  # registered: nothing audited when it runs
+    m(torch.ones(2)).sum().backward()
+    del m
+    t = torch.ones(2)
+    dist.all_reduce(t)  # gloo's threads
+    return float(t.sum())
 '''
+
+
+# Work the submission starts whose code has no frame of the submission's (issue 40, item 5): a thread whose target
+# is a builtin, a weakref.finalize callback that the harness's frame sets off, a pool's worker thread, an exit
+# handler. STARTED maps each function to the (event, line within the function) reported for it.
+_STARTED = '''
+def udp_in_a_thread():
+    out = []
+    t = threading.Thread(target=out.extend, args=(map(socket.socket, [socket.AF_INET], [socket.SOCK_DGRAM]),))
+    t.start()
+    t.join()
+    return [s.close() for s in out]
+def environ_from_a_finalizer(box):
+    weakref.finalize(box, open, "/proc/self/environ")
+def proc_from_a_pool():
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return len(pool.submit(os.listdir, "/proc").result())
+def exit_handler():
+    atexit.register(os.kill, os.getpid(), 0)
+'''
+STARTED = {
+    "udp_in_a_thread": [("thread.start", 4), ("socket.__new__", 4)],
+    "environ_from_a_finalizer": [("open", 2)],
+    "proc_from_a_pool": [("thread.start", 3), ("os.listdir", 3)],
+    "exit_handler": [("atexit.register", 2)],
+}
 
 
 def _probe_namespace() -> dict:
@@ -137,8 +177,9 @@ def _probe_namespace() -> dict:
     namespace = dict(sys=sys, os=os, gc=gc, inspect=inspect, ctypes=ctypes, marshal=marshal, pickle=pickle,
                      pkgutil=pkgutil, collections=collections, socket=socket, mmap=mmap, torch=torch, dist=dist,
                      dataclasses=dataclasses, typing=typing, enum=enum, logging=logging, warnings=warnings,
+                     threading=threading, weakref=weakref, atexit=atexit, concurrent=concurrent,
                      __file__=PROBE_FILE, __name__=__name__)  # (dataclasses look the module up by name)
-    exec(compile(_REACHES + _HONEST, PROBE_FILE, "exec"), namespace)
+    exec(compile(_REACHES + _HONEST + _STARTED, PROBE_FILE, "exec"), namespace)
     return namespace
 
 
@@ -179,6 +220,57 @@ def test_each_reach_is_reported_with_its_line_and_the_test_passes(monkeypatch, t
         assert f["file"] == "fsdp_assignment/task9_audit_probe.py" and f["source"] == "runtime" and f["rank"] == 0
         assert f["test"].endswith("test_each_reach_is_reported_with_its_line_and_the_test_passes"), f
         assert set(f) == {"file", "line", "kind", "what", "code", "test", "rank", "source"}, f
+
+
+class _Box:
+    """An object of the test's that the harness's frame drops (weakref-able)."""
+
+
+def _starts_work(rank, world_size):
+    _PROBE["udp_in_a_thread"]()
+    box = _Box()
+    _PROBE["environ_from_a_finalizer"](box)
+    del box  # the callback runs here, on the test's frame: no frame of the submission's on the stack
+    _PROBE["proc_from_a_pool"]()
+    _PROBE["exit_handler"]()
+    return True
+
+
+def test_work_the_submission_starts_is_audited_as_the_submissions(monkeypatch, tmp_path):
+    """Issue 40's evasions: a UDP socket made in a thread whose target is a builtin (``out.extend`` over
+    ``map(socket.socket, ...)``), ``open('/proc/self/environ')`` as a weakref.finalize callback set off by the
+    harness's frame, ``os.listdir('/proc')`` in a pool's worker: each is reported at the submission's line that
+    started the work, and starting a thread or registering an exit handler is itself a finding."""
+    log = tmp_path / "audit.jsonl"
+    monkeypatch.setenv("FSDP_AUDIT_LOG", str(log))
+    assert run_ranks(_starts_work, 1) == [True]
+    found = _findings(log)
+    reported = {(f["line"], f["what"].split("(")[0]) for f in found}
+    missing = [(name, event) for name, events in STARTED.items() for event, offset in events
+               if (_line_of(name) + offset - 1, event) not in reported]
+    assert not missing, f"not reported: {missing}; reported: {sorted(reported)}"
+    kinds = {f["what"].split("(")[0]: f["kind"] for f in found}
+    assert kinds["thread.start"] == "thread" and kinds["socket.__new__"] == "socket" and kinds["open"] == "file"
+    assert all(f["file"] == "fsdp_assignment/task9_audit_probe.py" for f in found), found
+    assert any("in a weakref.finalize callback registered here" in f["what"] for f in found), found
+
+
+def _threads_of_others(rank, world_size):
+    """Threads and callbacks that are not the submission's: the test's own (a builtin target making a UDP socket),
+    torch's (autograd, gloo), and a finalize callback the submission registers that does nothing audited."""
+    out = []
+    t = threading.Thread(target=out.extend, args=(map(socket.socket, [socket.AF_INET], [socket.SOCK_DGRAM]),))
+    t.start()
+    t.join()
+    [s.close() for s in out]
+    return _PROBE["honest_callbacks"]()
+
+
+def test_threads_and_callbacks_of_others_are_reported_for_nothing(monkeypatch, tmp_path):
+    log = tmp_path / "audit.jsonl"
+    monkeypatch.setenv("FSDP_AUDIT_LOG", str(log))
+    assert run_ranks(_threads_of_others, 2) == [4.0, 4.0]
+    assert _findings(log) == []
 
 
 def test_honest_code_is_reported_for_nothing(monkeypatch, tmp_path):
