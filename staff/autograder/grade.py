@@ -8,8 +8,12 @@ Run it as above, ``python -m staff.autograder.grade``, from the root of the tree
 way (it is a module of the package ``staff.autograder`` and imports its parts as package modules, so running the
 file itself, ``python staff/autograder/grade.py``, fails).
 
-Options: ``--budget S`` (tests not started by then are not run; default: --timeout minus 60 s), ``--timeout S``
-(the whole pytest run is killed after S seconds; default 540), ``--rank-user USER`` (run rank bodies as this
+Options: ``--budget S`` (a test is started only while what is left of S seconds is at least its whole time limit;
+else it is "not run", and said so; default: --timeout minus 60 s, or none), ``--timeout S`` (the whole pytest run
+is killed after S seconds). Their defaults: Gradescope mode (``--autograder-root``, run_autograder) keeps the
+platform's clock, 540 s and a budget of 480 s; a TA's run (``--zip``, or this tree) grades everything, with no
+budget and, as a net for a wedged grader only, a timeout of every graded test's limit and backstop added up (hours).
+``--rank-user USER`` (run rank bodies as this
 unprivileged user when grading as root; ``none`` to never; default ``fsdp_student``), ``--allow-root-ranks`` (with
 ``--zip`` as root: run the ranks as root when the rank user cannot run them), ``--rank-memory-mb N`` (each
 rank's memory limit above its start-up usage; default 256), ``--timeout-cap S`` (cap every harness timeout, for
@@ -26,7 +30,9 @@ zip), grades it in Gradescope mode, writes results.json (``--results``, default 
 (``--keep`` keeps it). Run it as root to have rank bodies run as the rank user (``sudo``; else as you). As root,
 it never runs the submission's ranks as root: when the rank user cannot run this Python (a pyenv under a 0700
 /root), it names the path it cannot reach and how to fix it, and stops, unless ``--allow-root-ranks``. It prints
-its progress as it goes ("graded 12/76 tests, 95 s"); on a busy machine raise ``--timeout`` (and ``--budget``).
+its progress as it goes ("graded 12 of 76 tests, 95 s, about 4 min left", the estimate from test_times.json's
+reference times scaled by how slow the tests so far ran): with no budget, a busy machine takes longer and costs
+no points (raise ``--timeout`` if you give one).
 
 In Gradescope mode (``--autograder-root R``) it first builds a clean grading tree in ``R/grading`` from the
 staff tree ``R/source`` and copies in **only** the seven task files from ``R/submission`` (at their repository
@@ -56,7 +62,8 @@ from .sanitize import LineSanitizer, sanitize
 HERE = Path(__file__).resolve().parent
 TREE = HERE.parents[1]  # the tree this module belongs to: <tree>/staff/autograder/grade.py
 DEFAULT_RANK_USER = "fsdp_student"
-DEFAULT_TIMEOUT_S = 540  # a minute under the smallest Gradescope limit (10 min); raise it with the limit
+DEFAULT_TIMEOUT_S = 540  # Gradescope mode: a minute under the smallest Gradescope limit (10 min); raise it with it
+BUDGET_MARGIN_S = 60.0  # the default budget is --timeout less this: the last test's teardown, results.json, cleanup
 DEFAULT_RANK_MEMORY_MB = 256  # the reference passes everything with 128 (measured): 2x headroom
 # Each file a rank writes (its output included) stays under this (RLIMIT_FSIZE; the tests write none of their own),
 # and the rank user's files in /tmp, /var/tmp and /dev/shm are removed after every test: no quota is needed.
@@ -110,12 +117,15 @@ def lock_down(tree: Path) -> None:
 
 
 # ---- running ---------------------------------------------------------------------------------------------
-def pytest_command(tree: Path, results: Path, budget: float, extra: list[str], notes: list[str]) -> list[str]:
+def pytest_command(tree: Path, results: Path, budget: float | None, extra: list[str],
+                   notes: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "pytest",
            "-p", "staff.autograder.grading_plugin", "-p", "pytest_timeout", "-p", "no:cacheprovider",
            "-c", str(tree / "pyproject.toml"), "--rootdir", str(tree), "--confcutdir", str(tree),
            "--continue-on-collection-errors", "-q", "-rN", "--tb=short", "--timeout", "300",
-           "--grade-results", str(results), "--grade-budget", f"{budget:g}"]
+           "--grade-results", str(results)]
+    if budget is not None:
+        cmd += ["--grade-budget", f"{budget:g}"]
     for note in notes:
         cmd += ["--grade-note", note]
     return cmd + [d for d in TEST_DIRS if (tree / d).is_dir()] + extra
@@ -141,44 +151,104 @@ PROGRESS_QUIET_S = 60.0  # ... and at least this often while a test runs (pytest
 PROGRESS_CHECK_S = 2.0  # how often results.json is looked at
 NOT_STARTED = "not run: the grading run was stopped before this test ran"  # grading_results.test_output's bodies
 RUNNING = "did not finish:"
-SHORT_OF_TIME = ("not run, for time", "not run: the grading time budget", RUNNING)
+
+
+def _read(results: Path) -> dict:
+    try:
+        data = json.loads(results.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def time_summary(results: Path) -> dict | None:
+    """results.json's ``extra_data["time"]`` (grading_results.time_summary: the plugin's count of the tests
+    finished, running, not run or cut for time, from the records the tests' outputs come from), or None."""
+    summary = (_read(results).get("extra_data") or {}).get("time")
+    return summary if isinstance(summary, dict) and "tests" in summary else None
 
 
 def _bodies(results: Path) -> list[tuple[str, str]]:
     """(name, what happened) of every graded test in results.json, as the plugin last wrote it; [] before."""
     try:
-        tests = json.loads(results.read_text())["tests"]
-        return [(t["name"], t["output"].split("\n\n", 1)[-1]) for t in tests]
-    except (OSError, ValueError, KeyError, TypeError):
+        return [(t["name"], t["output"].split("\n\n", 1)[-1]) for t in _read(results)["tests"]]
+    except (KeyError, TypeError, AttributeError):
         return []
 
 
 def progress(results: Path) -> tuple[int, int, str]:
     """(tests finished, tests graded, the one running or "") from results.json, which the plugin rewrites as
     each test starts and ends."""
-    bodies = _bodies(results)
+    summary = time_summary(results)
+    if summary is not None:
+        return summary["finished"], summary["tests"], summary["running"]
+    bodies = _bodies(results)  # a results.json without the summary (an older plugin's)
     running = next((name for name, body in bodies if body.startswith(RUNNING)), "")
     done = sum(not body.startswith((NOT_STARTED, RUNNING)) for _, body in bodies)
     return done, len(bodies), running
 
 
-def time_was_short(results: Path) -> bool:
-    """Did the run cut a test for time (its share, the budget, or the kill at --timeout)?"""
-    return any(body.startswith(SHORT_OF_TIME) for _, body in _bodies(results))
+def time_left(summary: dict | None, elapsed: float) -> float | None:
+    """About how many seconds the tests not finished will take: their reference times (test_times.json, each
+    plus a second of start-up) scaled by how much slower than the reference the finished ones ran here (the run's
+    start-up counted in: an overestimate early on). None before a test has finished."""
+    ref = (summary or {}).get("reference_s") or {}
+    done, left = ref.get("finished") or 0.0, ref.get("left") or 0.0
+    return None if done <= 0 else elapsed * left / done
+
+
+def left_words(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    return f", about {seconds:.0f} s left" if seconds < 120 else f", about {seconds / 60:.0f} min left"
+
+
+def closing_line(summary: dict | None, killed: bool, total: int) -> str:
+    """The run's last word on time: how many tests were not run or cut for time, and why, from the plugin's
+    records (``extra_data["time"]``) and whether the run was killed at --timeout (its last write then shows the
+    test it killed as running and the rest as pending)."""
+    if summary is None:
+        return f"the grading run left no record of its {total} tests (see its output above)"
+    not_run = {k: len(v) for k, v in (summary.get("not_run") or {}).items()}
+    cut = len(summary.get("cut") or [])
+    if killed:
+        cut += bool(summary.get("running"))
+        not_run["stopped"] = not_run.get("stopped", 0) + int(summary.get("pending") or 0)
+    short = sum(not_run.values()) + cut
+    n = summary.get("tests", total)
+    if not short:
+        return (f"no test was left out or cut for time: each of the {n} that ran had its whole time limit "
+                f"(a timeout is a test's own)")
+    budget = summary.get("budget_s")
+    parts = []
+    if not_run.get("budget"):
+        parts.append(f"{not_run['budget']} not started because the grading time budget ({budget:.0f} s) had less "
+                     f"left than their time limit or had run out" if budget else
+                     f"{not_run['budget']} not started: the grading time budget ran out")
+    if not_run.get("share"):
+        parts.append(f"{not_run['share']} not run because their task's share of the budget went to its failing "
+                     f"tests")
+    if not_run.get("stopped"):
+        parts.append(f"{not_run['stopped']} not run because the run stopped before them")
+    if cut:
+        parts.append(f"{cut} cut for time (running when the run was killed at --timeout: not a hang)")
+    return (f"{short} of {n} tests were not run or cut for time, so not graded on their merits: "
+            + "; ".join(parts) + f". {load_note()}")
 
 
 def load_note() -> str:
-    """How busy the machine is, and how to give a busy machine more time."""
+    """How busy the machine is, and how to grade everything."""
     try:
         load = f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs now"
     except OSError:
         load = f"{os.cpu_count()} CPUs"
-    return (f"{load}; on a busy machine give the run more time with both, e.g. `--timeout 1200 --budget 1140` "
-            f"(each test's own limit already allows for a machine 30 times slower than quiet)")
+    return (f"{load}; to grade every test, run it with no --budget and no --timeout (the default of --zip and of "
+            f"a tree: every test gets its whole limit, 30 times its quiet time, and a busy machine only takes "
+            f"longer)")
 
 
 class Progress:
-    """One line now and then while pytest runs: "graded 12/76 tests, 95 s; running: <test>"."""
+    """One line now and then while pytest runs: "graded 12 of 76 tests, 95 s, about 4 min left; running: <test>"."""
 
     def __init__(self, results: Path | None):
         self.results, self.start = results, time.monotonic()
@@ -198,7 +268,8 @@ class Progress:
         done, total, running = progress(self.results)
         if ((done, running) != self.shown and now - self.said_at >= PROGRESS_EVERY_S) \
                 or now - self.said_at >= PROGRESS_QUIET_S:
-            say(f"grade: graded {done}/{total} tests, {now - self.start:.0f} s"
+            left = left_words(time_left(time_summary(self.results), now - self.start))
+            say(f"grade: graded {done} of {total} tests, {now - self.start:.0f} s{left}"
                 + (f"; running: {running}" if running else ""))
             self.shown, self.said_at = (done, running), now
 
@@ -287,9 +358,12 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
     say(f"grade: {why}")
     if user:
         say(f"grade: {syscall_filter_note(tree)}")
-    budget = budget if budget is not None else max(30.0, timeout - 60.0)
-    say(f"grade: the whole run is killed after {timeout:.0f} s (--timeout), and tests not started {budget:.0f} s "
-        f"after it began are not run (--budget); {load_note()}")
+    if budget is None:
+        say(f"grade: no time budget: every test runs with its whole time limit (30 times its quiet time), however "
+            f"long the run takes; the run is killed only after {timeout:.0f} s (--timeout)")
+    else:
+        say(f"grade: the whole run is killed after {timeout:.0f} s (--timeout), and a test is started only while at "
+            f"least its time limit is left of {budget:.0f} s (--budget); {load_note()}")
     cmd = pytest_command(tree, results, budget, extra, notes)
     env = grading_env(tree, user, memory_mb, timeout_cap)
     audit_log = results.parent / "audit.jsonl"  # the ranks' runtime audit, this run's alone (tests/rank_audit.py)
@@ -322,12 +396,40 @@ def grade_tree(tree: Path, results: Path, *, budget: float | None, timeout: floa
     ensure_results(results, tail, code)
     from .review import add_staff_review  # the static review and the rank audit's findings (seam 3)
     add_staff_review(tree, results, say)
-    done, total, _ = progress(results)
-    if code is None or done < total or time_was_short(results):
-        say(f"grade: {total - done} of {total} tests did not finish or were not run for time; "
-            f"{load_note()}")
+    _, total, _ = progress(results)
+    say(f"grade: {closing_line(time_summary(results), code is None, total)}")
     say(f"grade: pytest exit code {code}, {time.monotonic() - start:.1f} s; results in {results}")
     return 0
+
+
+def clocks(budget: float | None, timeout: float | None, gradescope: bool) -> tuple[float | None, float]:
+    """(budget, timeout) from the options given. Gradescope mode keeps the platform's clock: --timeout 540 s (what
+    run_autograder passes) and a budget a minute under it. A TA's run (--zip, or a tree) grades everything: with
+    neither option, no budget, and a timeout that only a wedged grader reaches (every_limit_s). Given one of them,
+    the other follows it, as before: budget = timeout - 60 s, timeout = budget + 60 s."""
+    if timeout is None and budget is None:
+        if gradescope:
+            timeout = float(DEFAULT_TIMEOUT_S)
+        else:
+            return None, every_limit_s()
+    if timeout is None:
+        timeout = budget + BUDGET_MARGIN_S
+    if budget is None:
+        budget = max(30.0, timeout - BUDGET_MARGIN_S)
+    return budget, timeout
+
+
+def every_limit_s() -> float:
+    """Every graded test's time limit and pytest-timeout's backstop after it, added up, and ten minutes for
+    collection and start-up: what a run with no budget may take at the worst (each test hanging to its limit, then
+    to its backstop). About 3 hours for 86 tests; a correct submission takes minutes."""
+    from .grading_limits import BACKSTOP_MARGIN_S, STARTUP_S, TEST_TIMEOUT_FACTOR, TIMES_FILE
+    try:
+        tests = json.loads(TIMES_FILE.read_text())["tests"]
+        seconds = [float(t["seconds"]) for t in tests.values()]
+    except (OSError, ValueError, KeyError, TypeError):
+        seconds = [5.0] * 100
+    return 600.0 + sum(TEST_TIMEOUT_FACTOR * (t + STARTUP_S) + BACKSTOP_MARGIN_S for t in seconds)
 
 
 def gradescope_tree(root: Path, results: Path) -> tuple[Path | None, list[str]]:
@@ -388,8 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--zip", type=Path, default=None,
                        help="grade one student's zip (make_submission.sh's) in a fresh tree made from this one")
     parser.add_argument("--keep", action="store_true", help="with --zip: keep the fresh tree (its path is printed)")
-    parser.add_argument("--budget", type=float, default=None, help="seconds: tests not started by then are not run")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds: the whole run is killed")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds: a test is started only while at least its time limit is left of them "
+                             "(default: --timeout minus 60; none with --zip or a tree and no --timeout)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help=f"seconds: the whole run is killed (default: {DEFAULT_TIMEOUT_S} with "
+                             f"--autograder-root; with --zip or a tree, every test's limit added up)")
     parser.add_argument("--rank-user", default=DEFAULT_RANK_USER,
                         help="run rank bodies as this user when grading as root ('none': never)")
     parser.add_argument("--allow-root-ranks", action="store_true",
@@ -421,8 +527,9 @@ def main(argv: list[str] | None = None) -> int:
             tree, notes = gradescope_tree(root, results)
             if tree is None:
                 return 0
-        timeout = max(1.0, args.timeout - (time.monotonic() - started))
-        return grade_tree(tree, results.resolve(), budget=args.budget, timeout=timeout,
+        budget, timeout = clocks(args.budget, args.timeout, gradescope=args.autograder_root is not None)
+        timeout = max(1.0, timeout - (time.monotonic() - started))
+        return grade_tree(tree, results.resolve(), budget=budget, timeout=timeout,
                           rank_user=args.rank_user, memory_mb=args.rank_memory_mb, timeout_cap=args.timeout_cap,
                           extra=extra, notes=notes, refuse_root_ranks=layout is not None and not args.allow_root_ranks)
     finally:

@@ -3,7 +3,8 @@
 Decides how long each graded test may run (``limit``), which tests are not run because their task (or their
 bonus: each bonus has a share of its own) spent its share of ``--grade-budget`` on failures or because a function
 they call hangs whatever the configuration (``why_not_run``), and which tests run as probes with a shorter limit
-(``probe_limit``). Reads
+(``probe_limit``), and which tests are not started because what is left of the budget is less than their whole
+limit (a test runs with its whole limit or not at all: a timeout is then always evidence). Reads
 ``test_times.json`` (the reference's measured time per test and the task functions it calls; ``measure_times.py``
 writes it, through ``--grade-record``, also handled here). The plugin (grading_plugin.py) calls it around each test.
 """
@@ -96,7 +97,8 @@ class TimeLimits:
     limit(test) = TEST_TIMEOUT_FACTOR * (t + STARTUP_S); need(test) = LOAD_FACTOR * max(t, NEED_FLOOR_S);
     share(part) = B * need(part's tests) / need(all tests), where a part is a task or one bonus (HSDP, CPU offload:
     each bonus is graded on its own clock, so one bonus's failures never leave another's tests unrun). A test runs
-    for at most min(limit, B - elapsed); the time of every test that does not pass is charged to its part ("lost"),
+    with its whole limit, and is not started when B - elapsed is less (a limit the budget cut is not evidence: a
+    timeout at it would read as a hang); the time of every test that does not pass is charged to its part ("lost"),
     and once a part has lost its share, its later tests are not run. So hangs cost a part at most its share plus one
     limit, and the other parts keep the rest of the budget; tests that pass are never charged (a loaded machine
     slows every part alike: only the global budget bounds them)."""
@@ -122,6 +124,8 @@ class TimeLimits:
         # functions blamed together (one per hung rank) -> {"tests": the tests they hung in, "passed": how many
         # later tests that call them all passed (the hang is confined to a branch: keep probing)}
         self.hung: dict[frozenset, dict] = {}
+        # why the last test why_not_run turned away was not run: "hang", "share" or "budget" (the last two: for time)
+        self.not_run_kind: str | None = None
         self.probing: list[frozenset] = []    # the blamed sets the running test calls (it runs as a probe)
         self.started_at: float | None = None
         self.durations: dict[str, float] = {}
@@ -173,6 +177,7 @@ class TimeLimits:
             if len({t.split("[")[0] for t in seen["tests"]}) >= HANG_CONFIRMATIONS and not seen["passed"]:
                 self._skip(part)
                 self.probing = []
+                self.not_run_kind = "hang"
                 names = " and ".join(_function_label(f) for f in sorted(functions))
                 return (f"not run: {names} hung in {len(seen['tests'])} tests ({', '.join(seen['tests'])}) and no "
                         f"test that calls {'it' if len(functions) == 1 else 'them'} has passed since, so it hangs "
@@ -182,8 +187,29 @@ class TimeLimits:
             return None
         if self.lost.get(part, 0.0) >= self.share.get(part, float("inf")):
             self._skip(part)
+            self.not_run_kind = "share"
             return self.out_of_share(part)
+        full = self.probe_limit(nodeid) if self.probing else self.limit(nodeid)
+        if self.budget - elapsed < full:
+            # A limit the budget cut is not evidence: a correct test that timed out at what was left of the
+            # budget read as a hang (issue 42: "timed out after 5.65505 s ... a collective that not every rank
+            # calls?"). So a test runs with its full limit or not at all; a later, shorter test may still fit.
+            self._skip(part)
+            self.probing = []
+            self.not_run_kind = "budget"
+            return self.out_of_budget(full, self.budget - elapsed)
         return None
+
+    def out_of_budget(self, full: float, left: float) -> str:
+        """The output of a test not started because what was left of the budget was less than its time limit."""
+        return (f"not run: the grading time budget ({self.budget:.0f} s) had {max(left, 0.0):.0f} s left when this "
+                f"test's turn came, less than its time limit ({full:.0f} s), so it was not started: it was not "
+                f"graded, and nothing in it failed. A test runs with its full time limit or not at all, so that a "
+                f"timeout always means the code took more than that limit, never that the grader's time ran out. "
+                f"The time went to the tests before it (a busy grading machine runs every test slower; a test that "
+                f"hangs waits for its whole limit). To have it graded: ask the course staff to grade the submission "
+                f"again; they grade it with `python -m staff.autograder.grade --zip`, which has no time budget "
+                f"unless given one (--budget) and gives every test its full limit.")
 
     def out_of_share(self, part: int | str) -> str:
         """The output of a test not run because its part spent its share on failures: what ran out (the grader's
@@ -216,8 +242,7 @@ class TimeLimits:
         seconds = self.limit(item.nodeid)
         if self.probing:
             seconds = min(seconds, self.probe_limit(item.nodeid))
-        if self.budget is not None:
-            seconds = max(1.0, min(seconds, self.budget - elapsed))
+        # Never cut to what is left of the budget: why_not_run started the test only because its whole limit fits.
         os.environ["FSDP_RANK_DEADLINE"] = f"{time.time() + seconds:.3f}"
         return seconds  # (pytest-timeout's backstop was set at collection: limit + BACKSTOP_MARGIN_S)
 

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from .grading_limits import STARTUP_S, UNKNOWN_TEST_S
 from .grading_selection import BONUS, Record
 
 VISIBLE = "visible"
@@ -27,6 +28,7 @@ class ResultsJson:
     self.clean, ...)."""
 
     final = False
+    stop_kind: str | None = None  # grading_plugin.Grader's: why the session stopped before some tests
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         terminalreporter.write_sep("=", "FSDP assignment: score by task")
@@ -159,19 +161,51 @@ class ResultsJson:
             output += "\n\nThe grading run has not finished: tests not run yet score 0."
         if self.notes:
             output += "\n\n" + self.clean("\n".join(self.notes))
-        bonus = {}
+        extra = {"time": self.time_summary()}
         if any(rec.task == BONUS for rec in self.records.values()):
             got, mx = self.bonus_score()
-            bonus = {"extra_data": {"bonus": {"score": round(got, 2), "max_score": round(mx, 2)}}}
+            extra["bonus"] = {"score": round(got, 2), "max_score": round(mx, 2)}
         return {
             # The required tasks only: bonus tests are listed with their points but kept out of the total.
             "score": round(sum(t["score"] for t in tests if "bonus" not in t.get("tags", [])), 2),
-            **bonus,
+            "extra_data": extra,
             "execution_time": int(round(time.time() - self.start)),
             "output": output,
             "stdout_visibility": "hidden",
             "tests": tests,
         }
+
+    def time_summary(self) -> dict:
+        """What time did to the run, from the records the tests' outputs come from (results.json's
+        ``extra_data["time"]``; grade.py's progress line and closing line read it): the tests finished, the one
+        running, those not run for time by reason ("budget": what was left of it was less than the test's limit, or
+        it ran out; "share": its task's share went to failing tests; "stopped": the run stopped before them), those
+        cut for time (running when the run ended), and the reference's seconds (each + STARTUP_S) of the tests that
+        ran and of those left, for an estimate of the time left."""
+        not_run: dict[str, list[str]] = {"budget": [], "share": [], "stopped": []}
+        cut: list[str] = []
+        running, finished, pending, ref_done, ref_left = "", 0, 0, 0.0, 0.0
+        for nodeid in self.order:
+            rec = self.records[nodeid]
+            seconds = float(self.limits.times.get(nodeid, {}).get("seconds", UNKNOWN_TEST_S)) + STARTUP_S
+            if rec.state == "done":
+                finished += 1
+                if rec.failed_phase != "not run":
+                    ref_done += seconds
+                elif rec.not_run_kind in not_run:
+                    not_run[rec.not_run_kind].append(rec.name)
+            elif self.final:  # the session ended without running it (pending) or finishing it (running)
+                if rec.state == "running":
+                    cut.append(rec.name)
+                else:
+                    not_run[self.stop_kind or "stopped"].append(rec.name)
+            else:
+                running = rec.name if rec.state == "running" else running
+                pending += rec.state == "pending"
+                ref_left += seconds
+        return {"tests": len(self.order), "finished": finished, "running": running, "pending": pending,
+                "not_run": not_run, "cut": cut, "budget_s": self.budget,
+                "reference_s": {"finished": round(ref_done, 1), "left": round(ref_left, 1)}}
 
     def write(self) -> None:
         if not self.results_path or self.write_failed:

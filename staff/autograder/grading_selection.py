@@ -91,6 +91,10 @@ class Record:
         self.call_passed = False
         self.duration = 0.0
         self.notes: list[str] = []
+        # With failed_phase "not run": why (grading_limits.TimeLimits.not_run_kind): "hang" (a function it calls
+        # hangs always), "share" (its task's share of the budget went to failing tests), "budget" (what was left of
+        # the budget was less than its time limit); the last two are for time (results.json's extra_data["time"]).
+        self.not_run_kind: str | None = None
         # The properties the test decides (marker evidence("memory", "bytes")), each judged by the kernel's witness
         # of this test's own run: its failure fails this test and no other.
         self.evidence = evidence_of(item)

@@ -277,8 +277,9 @@ def test_grading_a_zip_as_root_never_runs_the_submission_as_root(tmp_path, monke
 
 def test_the_grading_run_says_how_far_it_got_as_it_goes(tmp_path, monkeypatch, capsys):
     """Issue 36: ``grade --zip`` was silent for 6.5 minutes at load 11 (pytest -q prints a line only at the end
-    of a row of dots). The grader prints "graded N/M tests, S s; running: <test>" from results.json, which the
-    plugin rewrites as each test starts and ends."""
+    of a row of dots). The grader prints "graded N of M tests, S s; running: <test>" from results.json, which the
+    plugin rewrites as each test starts and ends; issue 42: with about how long is left once a test has finished
+    (the reference's seconds of the tests left, extra_data["time"], scaled by how slow the finished ones ran)."""
     import json
     results = tmp_path / "results.json"
     pending = "not run: the grading run was stopped before this test ran (a global time limit or a crash)"
@@ -287,13 +288,22 @@ def test_the_grading_run_says_how_far_it_got_as_it_goes(tmp_path, monkeypatch, c
               ["passed (0.1 s)", "did not finish: the grading run was stopped while this test was running"],
               ["passed (0.1 s)", "failed:\n\nboom"]]
     script = tmp_path / "fake_pytest.py"
+    # extra_data["time"] as the plugin writes it with each state (grading_results.time_summary), in seconds of the
+    # reference's: 1 of the 2 tests finished at the third state (1 s), the other's 1000 s to come.
+    times = [{"tests": 2, "finished": 0, "running": "", "pending": 2, "reference_s": {"finished": 0, "left": 101}},
+             {"tests": 2, "finished": 0, "running": "Task 1 public: A", "pending": 1,
+              "reference_s": {"finished": 0, "left": 101}},
+             {"tests": 2, "finished": 1, "running": "Task 1 public: B", "pending": 0,
+              "reference_s": {"finished": 1, "left": 1000}},
+             {"tests": 2, "finished": 2, "running": "", "pending": 0, "reference_s": {"finished": 101, "left": 0}}]
     script.write_text(
         "import json, os, sys, time\n"
         f"states = {json.dumps(states)}\n"
-        "for a, b in states:\n"
+        f"times = {json.dumps(times)}\n"
+        "for (a, b), t in zip(states, times):\n"
         "    tests = [{'name': n, 'output': 'head\\n\\n' + o} for n, o in (('Task 1 public: A', a),\n"
         "                                                                  ('Task 1 public: B', b))]\n"
-        f"    open({str(results)!r} + '.tmp', 'w').write(json.dumps({{'tests': tests}}))\n"
+        f"    open({str(results)!r} + '.tmp', 'w').write(json.dumps({{'tests': tests, 'extra_data': {{'time': t}}}}))\n"
         f"    os.replace({str(results)!r} + '.tmp', {str(results)!r})\n"
         "    time.sleep(0.6)\n")
     monkeypatch.setattr(grade, "PROGRESS_CHECK_S", 0.05)
@@ -302,11 +312,13 @@ def test_the_grading_run_says_how_far_it_got_as_it_goes(tmp_path, monkeypatch, c
     log = capsys.readouterr().out
     assert code == 0
     import re
-    for line in (r"graded 0/2 tests, \d+ s", r"graded 0/2 tests, \d+ s; running: Task 1 public: A",
-                 r"graded 1/2 tests, \d+ s; running: Task 1 public: B"):  # (a line each, however slow the machine)
-        assert re.search(f"^grade: {line}$", log, re.MULTILINE), (line, log)
+    for line in (r"graded 0 of 2 tests, \d+ s", r"graded 0 of 2 tests, \d+ s; running: Task 1 public: A",
+                 # 1000 times the finished test's reference second left, at the rate it ran: minutes
+                 r"graded 1 of 2 tests, \d+ s, about \d+ min left; running: Task 1 public: B"):
+        assert re.search(f"^grade: {line}$", log, re.MULTILINE), (line, log)  # (a line each, however slow)
     assert grade.progress(results) == (2, 2, "")
-    assert "--timeout 1200 --budget 1140" in grade.load_note()
+    assert grade.time_left({"reference_s": {"finished": 10, "left": 30}}, elapsed=50) == 150
+    assert "no --budget and no --timeout" in grade.load_note()
 
 
 def test_help_says_how_to_run_it_and_how_to_give_a_busy_machine_more_time(capsys):

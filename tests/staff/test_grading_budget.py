@@ -217,8 +217,27 @@ def _grade(tree: Path, *extra: str, **env) -> dict:
     clean.update(PYTHONPATH=str(ROOT), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", **env)
     proc = subprocess.run(cmd, cwd=tree, env=clean, capture_output=True, text=True, timeout=600)
     data = json.loads(results.read_text())
-    data["_stdout"] = proc.stdout
-    return {t["name"].split("::", 1)[1]: t for t in data["tests"]} | {"_stdout": proc.stdout}
+    return {t["name"].split("::", 1)[1]: t for t in data["tests"]} | {"_stdout": proc.stdout,
+                                                                        "_time": data["extra_data"]["time"]}
+
+
+# A third module: one task-2 test, run after test_2a_passes (collection order), which hangs if FAKE_PLAN names it.
+BIG_TEST = '''
+import pytest
+from test_fake import _act
+
+
+@pytest.mark.task2
+def test_2z_big():
+    _act("2z")
+'''
+
+
+def _add_big_test(tree: Path, seconds: float) -> None:
+    (tree / "tests" / "public" / "test_fake3.py").write_text(BIG_TEST)
+    times = json.loads((tree / "times.json").read_text())
+    times["tests"]["tests/public/test_fake3.py::test_2z_big"] = {"seconds": seconds, "calls": [FN]}
+    (tree / "times.json").write_text(json.dumps(times))
 
 
 FN, VICTIM = "task1_meta_init.py:materialize_meta_module", "task3_forward.py:unshard"
@@ -276,12 +295,14 @@ def test_a_hang_confined_to_one_branch_costs_only_the_tests_that_take_it(tmp_pat
 
 def test_a_task_that_loses_its_share_to_hangs_runs_no_more_tests(tmp_path):
     """A hang in a function the reference never calls (a student's own): nothing is skipped by name, but once the
-    task's failing tests have taken its share, its other tests are not run; the next task runs."""
-    # Needs: task 1 five tests at 10 x 2 s (the floor) = 100; task 2 one test at 10 x 1000 s. Budget 100 s ->
-    # task 1's share is 100 x 100 / 10100 = 1 s, which the 2 s hang exceeds.
+    task's failing tests have taken its share, its other tests are not run; the next task runs. (Task 2's big
+    test, whose need makes task 1's share small, has a limit larger than the whole budget: it is not started.)"""
+    # Needs: task 1 five tests at 10 x 2 s (the floor) = 100; task 2 at 10 x 0.1 s + 10 x 1000 s. Budget 100 s ->
+    # task 1's share is 100 x 100 / 10120 = 1 s, which the 2 s hang exceeds.
     none = {"seconds": 0.1, "calls": []}
     tree = _fake_tree(tmp_path, {"test_1a": none, "test_1b": none, "test_1c": none, "test_1d": none, "test_1e": none,
-                                 "test_2a_passes": {"seconds": 1000.0, "calls": []}})
+                                 "test_2a_passes": none})
+    _add_big_test(tree, seconds=1000.0)
     tests = _grade(tree, "--grade-budget", "100", FAKE_HANG_IN="task1_meta_init.py:my_own_helper", FAKE_WAIT="2",
                    FAKE_PLAN="1a,1b,1c")
     assert tests["test_1a"]["status"] == "failed"
@@ -294,6 +315,92 @@ def test_a_task_that_loses_its_share_to_hangs_runs_no_more_tests(tmp_path):
         assert "make those tests pass, or fail faster" in body, body
     assert tests["test_2a_passes"]["status"] == "passed", tests["test_2a_passes"]["output"]
     assert "shares of the budget" in tests["_stdout"]
+    time = tests["_time"]  # results.json's count, from the same records
+    assert [n.split("::")[1] for n in time["not_run"]["share"]] == ["test_1b", "test_1c", "test_1d", "test_1e"]
+    assert [n.split("::")[1] for n in time["not_run"]["budget"]] == ["test_2z_big"], time
+
+
+def _grade_command(tree: Path, capsys, monkeypatch, *, budget: float | None, timeout: float,
+                   **env) -> tuple[dict, str]:
+    """The grading command itself (grade.grade_tree: pytest with the plugin, its progress, its closing line) on a
+    fake tree (its staff/ is this repository's), in this process; results.json's tests by name, and its log."""
+    from staff.autograder import grade
+    (tree / "staff").symlink_to(ROOT / "staff")
+    results = tree / "results.json"
+    real_env = grade.grading_env
+    monkeypatch.setattr(grade, "grading_env", lambda *a: real_env(*a) | env)  # what the fake tests read
+    grade.grade_tree(tree, results, budget=budget, timeout=timeout, rank_user=None, memory_mb=256,
+                     timeout_cap=None, extra=["--grade-times", str(tree / "times.json")], notes=[])
+    data = json.loads(results.read_text())
+    return {t["name"].split("::", 1)[1]: t for t in data["tests"]}, capsys.readouterr().out
+
+
+def test_a_test_whose_limit_the_budget_would_cut_is_not_started_and_the_closing_line_counts_it(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """Issue 42: a test started with 5.66 s of budget left, its limit cut to that; it timed out and failed as a
+    hang ("a collective that not every rank calls?"), the hang blame named a function, and the closing line said
+    "0 of 86 tests did not finish or were not run for time" while 23 were not run. Now a test whose whole limit
+    (30 x (3 + 1) s = 120 s) is more than what is left of the budget (100 s) is not started: "not run", saying why
+    and what to do, never run with a cut limit (had it run, it would have "hung": FAKE_PLAN), no hang blamed; the
+    other tests run; the closing line counts it, from the records the outputs come from."""
+    none = {"seconds": 0.1, "calls": []}
+    tree = _fake_tree(tmp_path, {"test_1a": none, "test_1b": none, "test_1c": none, "test_1d": none, "test_1e": none,
+                                 "test_2a_passes": none})
+    _add_big_test(tree, seconds=3.0)
+    tests, log = _grade_command(tree, capsys, monkeypatch, budget=100, timeout=160, FAKE_PLAN="2z",
+                                FAKE_HANG_IN=FN)
+    big = tests["test_2z_big"]
+    body = big["output"].split("\n\n", 1)[1]
+    assert big["status"] == "failed" and big["score"] == 0
+    assert re.match(r"not run: the grading time budget \(100 s\) had \d+ s left when this test's turn came, less "
+                    r"than its time limit \(120 s\), so it was not started: it was not graded, and nothing in it "
+                    r"failed\.", body), body
+    assert "ask the course staff to grade the submission again" in body and "grade --zip" in body, body
+    assert "timed out" not in body and "hung" not in body and "time limit: " not in big["output"], big["output"]
+    assert "hung:" not in log, log  # no hang blamed (grading_limits' summary row)
+    assert all(tests[n]["status"] == "passed" for n in tests if n != "test_2z_big"), tests
+    # The closing line counts what the outputs say: one test not run for time, of seven.
+    not_run = [n for n, t in tests.items() if t["output"].split("\n\n", 1)[1].startswith("not run")]
+    assert not_run == ["test_2z_big"]
+    assert re.search(r"^grade: 1 of 7 tests were not run or cut for time, so not graded on their merits: 1 not "
+                     r"started because the grading time budget \(100 s\) had less left than their time limit",
+                     log, re.MULTILINE), log
+    assert "to grade every test, run it with no --budget and no --timeout" in log, log
+
+
+def test_a_test_running_when_the_run_is_killed_is_cut_for_time_and_counted(tmp_path, capsys, monkeypatch):
+    """A TA's run has no budget (nothing is turned away); a run killed at --timeout while a test runs: that test
+    "did not finish" (cut for time), the rest "not run", and the closing line counts both, never calling it a hang
+    (the fake test would report one had it been let finish: FAKE_PLAN)."""
+    none = {"seconds": 0.1, "calls": []}
+    tree = _fake_tree(tmp_path, {"test_1a": none, "test_1b": none, "test_1c": none, "test_1d": none, "test_1e": none,
+                                 "test_2a_passes": none})
+    tests, log = _grade_command(tree, capsys, monkeypatch, budget=None, timeout=25, FAKE_PLAN="1b", FAKE_WAIT="600",
+                                FAKE_HANG_IN=FN)
+    assert "no time budget: every test runs with its whole time limit" in log, log
+    assert tests["test_1a"]["status"] == "passed", tests["test_1a"]["output"]
+    body = tests["test_1b"]["output"].split("\n\n", 1)[1]
+    assert body.startswith("did not finish: the grading run was stopped while this test was running"), body
+    assert "hung" not in tests["test_1b"]["output"], tests["test_1b"]["output"]
+    assert re.search(r"^grade: 5 of 6 tests were not run or cut for time, so not graded on their merits: 4 not run "
+                     r"because the run stopped before them; 1 cut for time \(running when the run was killed at "
+                     r"--timeout: not a hang\)", log, re.MULTILINE), log
+
+
+def test_a_tas_run_has_no_budget_and_gradescope_keeps_its_clock():
+    """grade --zip (a TA) and a tree: no budget by default, and a --timeout only a wedged grader reaches (every
+    test's limit and backstop added up); Gradescope mode: 540 s and a budget of 480 s, as run_autograder passes;
+    given one of them, the other follows it."""
+    from staff.autograder import grade, grading_limits as gl
+    budget, timeout = grade.clocks(None, None, gradescope=False)
+    assert budget is None and timeout > sum(gl.TEST_TIMEOUT_FACTOR * (t["seconds"] + gl.STARTUP_S) for t in
+                                            json.loads(gl.TIMES_FILE.read_text())["tests"].values())
+    assert grade.clocks(None, None, gradescope=True) == (480, 540)
+    assert grade.clocks(None, 300, gradescope=False) == (240, 300)
+    assert grade.clocks(1140, None, gradescope=False) == (1140, 1200)
+    cmd = grade.pytest_command(ROOT, ROOT / "r.json", None, [], [])
+    assert "--grade-budget" not in cmd
+    assert "--grade-budget" in grade.pytest_command(ROOT, ROOT / "r.json", 480, [], [])
 
 
 BONUS_POINTS = POINTS + "BONUS_POINTS = 10\n"
