@@ -279,3 +279,83 @@ def test_full_state_dicts_live_on_rank_0_only_also_while_they_are_made():
             f"full model ({model_bytes / 2**20:.1f} MiB) and optimizer ({optim_bytes / 2**20:.1f} MiB) state dicts: "
             f"a full state dict exists on rank 0 only, and the other ranks must not hold it while it is made either "
             f"(take part in the gathers, keep nothing: about one unit's state at a time)")
+
+
+# ---- Loaded optimizer state: its padding is zero ----------------------------------------------------------------
+def _padding_of(flat_param, t):
+    """The elements of ``t`` (laid out like this rank's shard) that lie past the parameters: the padding."""
+    first_pad = max(0, min(flat_param.shard_numel, flat_param.numel - flat_param.shard_offset))
+    return t.detach().reshape(-1)[first_pad:]
+
+
+def _load_optimizer_state(rank, world_size):
+    model = _sharded_model()
+    optim = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=1e-2)
+    _train(model, optim, rank, world_size, range(1))
+    saved = {"full": adapters.get_optimizer_state_dict(model, optim, full=True),
+             "sharded": adapters.get_optimizer_state_dict(model, optim, full=False)}
+    box = [saved["full"]]
+    dist.broadcast_object_list(box, src=0)  # the same full dict on every rank
+    saved["full"] = box[0]
+    out = {}
+    for kind, state_dict in saved.items():
+        model = _sharded_model(seed=1)
+        optim = adapters.get_sharded_optimizer(model, torch.optim.AdamW, lr=1e-2)
+        adapters.set_optimizer_state_dict(model, optim, state_dict, full=kind == "full")
+        padding = {}
+        for prefix, fp in _named(model):
+            for key, value in optim.state.get(fp.shard, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    padding[f"unit '{prefix or '<root>'}' {key}"] = _padding_of(fp, value).clone()
+        out[kind] = padding
+    return out
+
+
+def test_loaded_optimizer_state_has_zero_padding():
+    world_size = 3  # GPT's units do not divide by 3: the last rank's shards end in padding
+    results = run_ranks(_load_optimizer_state, world_size)
+    assert any(pad.numel() for got in results for pad in got["full"].values()), \
+        "test set-up: some rank's optimizer state must have padding"
+    for rank, got in enumerate(results):
+        for kind in ("full", "sharded"):
+            assert got[kind], f"rank {rank}: after loading a {kind} optimizer state dict the optimizer holds no state"
+            bad = {where: pad.tolist()[:4] for where, pad in got[kind].items() if pad.any()}
+            assert not bad, (
+                f"rank {rank}: right after loading a {kind} optimizer state dict, the padding of the per-element "
+                f"state is not zero (where: its first padding values): {bad}. The padding stays zero, in the "
+                f"optimizer state too (module docstring): AdamW would turn nonzero padding state into updates of "
+                f"the shard's padding (a tensor from torch.empty_like holds whatever that memory held)")
+
+
+# ---- The full model state dict alone: on rank 0 only, also while it is made (the kernel's peaks) -----------------
+# 24 blocks of about 1 M parameters (92 MiB in fp32): one full model's state stands far above what a rank's peak
+# varies by from run to run (16 MiB), so the model state dict is judged alone, without the optimizer's.
+RANK0_MODEL_CFG = GPTConfig(n_layer=24, n_embd=288, n_head=4)
+
+
+def _save_full_model_state(rank, world_size):
+    model = gpt_sharded_block_by_block(RANK0_MODEL_CFG, lambda module: hand_shard(module, [module]))
+    saved = adapters.get_model_state_dict(model, full=True)
+    return {"model": len(saved)}
+
+
+def test_full_model_state_dict_lives_on_rank_0_only_also_while_it_is_made():
+    world_size = 2
+    witness = Witness()  # no bound of its own: the ranks' peaks are compared with each other below
+    results = run_ranks(_save_full_model_state, world_size, witness=witness, memory_limit_bytes=640 << 20)
+    with torch.device("meta"):
+        model = GPT(RANK0_MODEL_CFG)
+    model_bytes = 4 * sum(p.numel() for p in model.parameters())  # fp32, tied weights once
+    assert results[0]["model"], "rank 0 must return the full model state dict"
+    assert all(got["model"] == 0 for got in results[1:]), "a full state dict lives on rank 0 only ({} elsewhere)"
+    peaks = [m["peak_bytes"] for m in witness.measured]
+    for rank in range(1, world_size):
+        # Rank 0 holds the full model state dict (one model's bytes) on top of what every rank holds (its shards,
+        # one unit gathered at a time): a rank that built the whole dict too, then dropped it, peaks as high.
+        below = peaks[0] - peaks[rank]
+        assert below >= model_bytes // 2, (
+            f"rank {rank}: the kernel saw its resident memory peak {below / 2**20:.1f} MiB below rank 0's "
+            f"({peaks[rank] / 2**20:.1f} vs {peaks[0] / 2**20:.1f} MiB above their start), while rank 0 holds the "
+            f"full model state dict ({model_bytes / 2**20:.1f} MiB): it exists on rank 0 only, and the other ranks "
+            f"must not hold it while it is made either (take part in the gathers, keep nothing: about one unit's "
+            f"parameters at a time)")
