@@ -132,6 +132,9 @@ def _reading_problems(where: str, m: dict, marks: int, held: dict, rise: dict) -
     "return"); ``rise[k]``, how far its memory may rise above what it held at reading k (0: the body's start)
     until the body returns."""
     readings = m.get("readings") or []
+    if "each" in held:  # every mark (not the return) under one bound
+        held = {**{i: held["each"] for i in range(1, len(readings))}, **held}
+        del held["each"]
     if len(readings) != marks + 1:
         return [f"{where}: it asked the parent for {len(readings)} readings of its memory after its body started; "
                 f"this test's body marks {marks} moments and then returns ({marks + 1}): a mark (witness_mark) called "

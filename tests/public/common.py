@@ -279,6 +279,13 @@ WITNESS_PEAK_OVERHEAD_BYTES = 40 << 20
 # Bodies that step a torch optimizer (its first step imports and sets up more of torch) or run torch's FSDP2 rise
 # 51-82 MiB.
 WITNESS_PEAK_OVERHEAD_HEAVY_BYTES = 96 << 20
+# What a rank holds at a mark after backward (every unit resharded) above its body's start beyond its shards and
+# their gradients: the heap its first step grew (blocks under the 64 KiB mmap threshold stay resident) and more
+# as the model grows. Measured (issue 40; Task 4's one-step body, a 3-layer GPT hand-sharded, the reference, load
+# 15-19, readings of one configuration within 0.1 MiB across ranks and runs): beyond 2·Σ/W, 2.4-2.6 MiB at n_embd
+# 38 (Σ 0.22 MiB), 3.2-3.4 at 128 (Σ 2.3 MiB, U 0.78), 3.6-3.9 at 192 (Σ 5.2 MiB, U 1.73). Allowed: this + U.
+# never_free's lie holds Σ more at the same moment (measured +0.1-0.25, +2.2-2.4 and +4.9-5.3 MiB).
+WITNESS_HELD_OVERHEAD_BYTES = 3584 << 10
 # Bytes: barriers, scalar collectives (a norm, a flag), the monitor's and the counter's own exchanges (the
 # staff's implementation sends 1-40 KiB beyond its bound's formula), on top of the harness's allowance for joining the group (64
 # KiB). Tight on purpose: bytes do not wander as resident memory does, and an all-reduce in place of one
@@ -289,7 +296,8 @@ WITNESS_SENT_OVERHEAD_BYTES = 32 << 10
 def witness_bounds(unit_numels, world_size: int, *, built: int = 0, shard_copies: int = 2, unsharded: int = 2,
                    full_grads: int = 1, extra_bytes: int = 0, overhead_bytes: int = WITNESS_PEAK_OVERHEAD_BYTES,
                    moved: float = 0.0, extra_sent: int = 0, sent_overhead: int = WITNESS_SENT_OVERHEAD_BYTES,
-                   itemsize: int = 4, deferred: bool = False):
+                   itemsize: int = 4, deferred: bool = False, marks: int | None = None, held_copies: int | None = None,
+                   held_full: int = 0, held_extra: int = 0, held_overhead: int | None = None):
     """A test's own bounds for the kernel's witness (tests/harness.py, Witness), from its own model.
 
     ``unit_numels``: the elements each unit owns (``unit_numels(model, prefixes).values()``); each is padded to a
@@ -307,15 +315,25 @@ def witness_bounds(unit_numels, world_size: int, *, built: int = 0, shard_copies
     all-reduce where a reduce-scatter does, a unit gathered twice) add a third or more of a step's bytes.
     A memory bound resolves a property only where U stands well above the kernel's noise (1-2 MiB): the tests
     whose models are a few KiB are bounded against gross excess (a leak of a large model), not against one unit.
+    Held at the body's marks (``marks``: how many its body makes, e.g. one per Monitor.backward; each a moment
+    where every unit is resharded): what the rank may hold above its body's start, without the peak's bulk
+    allowance:  held_copies · Σ/W (the shards it keeps: parameters, gradients, the optimizer's state)  +
+    held_full · Σ (full gradients a no-sync step keeps)  +  ``held_extra``  +  ``held_overhead`` (by default
+    WITNESS_HELD_OVERHEAD_BYTES + U: measured below). A unit kept unsharded there adds its whole size: never
+    freeing the units adds Σ, which resolves where Σ stands well above U + 3.5 MiB (n_embd 192: Σ 5.2 MiB).
     """
     from tests.harness import Witness
     padded = [-(-int(n) // world_size) * world_size for n in unit_numels if n]
     total, biggest = sum(padded), max(padded, default=0)
     peak = itemsize * (built + shard_copies * total // world_size + (unsharded + full_grads) * biggest)
     sent = int(itemsize * moved * total * (world_size - 1) / world_size)
+    held = {}
+    if held_copies is not None:
+        overhead = WITNESS_HELD_OVERHEAD_BYTES + itemsize * biggest if held_overhead is None else held_overhead
+        held = {"each": itemsize * (held_copies * total // world_size + held_full * total) + held_extra + overhead}
     return Witness(peak_bytes=peak + extra_bytes + overhead_bytes,
                    sent_bytes=sent + extra_sent + sent_overhead + (sent + extra_sent) // 100,
-                   deferred=deferred)
+                   deferred=deferred, marks=marks, held_bytes=held)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = 1e-5) -> None:
