@@ -356,3 +356,101 @@ def test_the_key_states_one_rule_for_a_design_that_follows_a_hint():
     assert "quoting them is not an answer about your code" not in template
     handout = _flat((ROOT / "handout" / "writeup.typ").read_text(encoding="utf-8"))
     assert "Following a hint is fine: described with your own names" in handout
+
+
+# ---- issue 41: writeup v5's rules, said the same way in the template, the handout and the key ---------------------
+WRITEUP_TYP = ROOT / "handout" / "writeup.typ"
+
+
+def test_q8_key_formula_is_the_lora_traces_bytes():
+    """Q8 (b): on the LoRA model the frozen base is gathered but never reduce-scattered, so the bytes per rank per step
+    are (W - 1)/W (2 x 2 Psi + 4 Psi_t), not 8 Psi (W - 1)/W (the v4 key's, which marked the right answer down). The
+    staff's trace (hook_trace.py --scenario lora --mixed-precision --json, about 10 s) agrees with the formula the key
+    states, and not with the old one."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hook_trace.py"), "--scenario", "lora",
+                          "--mixed-precision", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**__import__("os").environ, "FSDP_IMPL": "reference"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    rank0 = json.loads(out.stdout)["lora"][0]
+    W = 2
+    coll = [e for e in rank0["events"] if e.get("kind") == "collective"]
+    sent = sum(e["numel"] * (W - 1) * 2 for e in coll if e["name"] == "ALL-GATHER" and e["dtype"] == "bfloat16") + \
+        sum(e["numel"] * (W - 1) / W * 4 for e in coll if e["name"] == "REDUCE-SCATTER" and e["dtype"] == "float32")
+    assert len(coll) == sum(1 for e in coll if e["dtype"] in ("bfloat16", "float32"))
+    flats = [f for unit in rank0["flat_params"].values() for f in unit]
+    psi = W * sum(f["shard_numel"] for f in flats)                       # padded, the frozen base included
+    psi_t = W * sum(f["shard_numel"] for f in flats if f["requires_grad"])
+    assert psi_t < psi, "the LoRA model's base is no longer frozen: Q8 (b) asks about a frozen base"
+    assert sent == pytest.approx((W - 1) / W * (2 * 2 * psi + 4 * psi_t)), (sent, psi, psi_t)
+    assert sent != pytest.approx(8 * psi * (W - 1) / W)
+    key = _flat(SOURCE.read_text(encoding="utf-8"))
+    q8 = key.split("**Q8 (3).**")[1].split("**Tables")[0]
+    assert "(W - 1)/W (2 x 2 Psi + 4 Psi_t) bytes per rank per step" in q8
+    assert "the trace's numels agree" not in q8, "the v4 key's claim that 8 Psi (W - 1)/W matches the trace is back"
+
+
+def test_one_half_credit_list_in_the_handout_and_the_key():
+    """The key said half credit is given "only in these cases", then gave half for Psi / n_layer and for a
+    point-beta bound: the list now names them, in the handout and the key alike; Q12's "without it each part earns
+    half" (which never applied: the zip's timeline counts) is gone everywhere."""
+    handout = _flat(WRITEUP_TYP.read_text(encoding="utf-8"))
+    key = _flat(SOURCE.read_text(encoding="utf-8"))
+    template = _flat(TEMPLATE.read_text(encoding="utf-8"))
+    for text in (handout, key):
+        assert "in these cases only" in text or "only in these cases" in text
+        assert "taken from the wrong row or term" in text
+        assert "a bound computed from a point estimate" in text
+    assert 'for $Psi_"blk"$' in handout and "(Psi / n_layer for Psi_blk)" in key
+    for text in (handout, key, template):
+        assert "each part earns half" not in text and "no picture: half" not in text
+
+
+def _listed_design_parts(text: str, lead: str) -> str:
+    m = re.search(re.escape(lead) + r" \((Q1(?:[^()]|\([a-e](?:, [a-e])*\))*)\) ask", text)
+    assert m, f"no '{lead} (Q1, ...) ask' list"
+    return m.group(1)
+
+
+def test_the_design_parts_are_listed_alike_in_the_handout_and_the_key():
+    """writeup.typ listed the design parts without Q9's buffers, which the key graded; v5 has no design part in Q9,
+    and both list the same parts."""
+    handout = _flat(WRITEUP_TYP.read_text(encoding="utf-8"))
+    key = _flat(SOURCE.read_text(encoding="utf-8"))
+    listed = _listed_design_parts(handout, "Questions on your code")
+    assert listed == _listed_design_parts(key, "**Design parts**"), listed
+    assert "Q9" not in listed
+
+
+def test_no_part_asks_for_a_reason_the_handout_states():
+    """Issue 41: Q11 (c)'s two reasons, Q12 (a)'s "why it must wait", Q15 (d)'s three things and Q9 (c)'s gap could
+    be quoted from the handout; v5 asks for what the student's own picture or numbers show instead."""
+    template = _flat(TEMPLATE.read_text(encoding="utf-8"))
+    for quotable in ("two reasons why the exposed fraction", "three other things that must fit",
+                     "one concrete explanation of the remaining gap", "and why it must wait there"):
+        assert quotable not in template, quotable
+    q12 = template.split("**Q12.**")[1].split("**Q13.**")[0]
+    assert "how long the longer of those waits is in your picture" in q12
+    q11 = template.split("**Q11.**")[1].split("**Q12.**")[0]
+    assert "argued from your own numbers" in q11
+
+
+def test_q3_needs_no_hint_and_no_failed_test():
+    """Q3 (c) asked where the design departs from a hints/ recipe (a student who never opened a hint had to read one)
+    and for a public test that failed (no rule when none did): v5 asks neither."""
+    q3 = _flat(TEMPLATE.read_text(encoding="utf-8")).split("**Q3.**")[1].split("**Q4.**")[0]
+    assert "hints/" not in q3 and "failed while you built it" not in q3 and "(c)" not in q3
+
+
+def test_a_print_you_add_is_asked_only_where_it_shows():
+    """A print a student adds shows in `pytest -s` (labelled [rank r]) and in hook_trace.py's output: a part that asks
+    for one names where it runs, and the template says once where rank output goes."""
+    text = TEMPLATE.read_text(encoding="utf-8")
+    for block in re.split(r"^(?=\*\*Q\d+\.\*\*)", text, flags=re.MULTILINE)[1:]:
+        deliverable = block.split("*Deliverable:*")[1].split("\n## ")[0]
+        for part in re.split(r"; \([a-e]\) |\(a\) ", deliverable):
+            if re.search(r"print you add|add a print", part):
+                assert "pytest -s" in part or "hook_trace.py" in part, part[:200]
+    assert text.count("[rank r]") == 1, "the template says where rank output goes exactly once"
+    assert "--show-rng" in text and "--show-state-dict-peaks" in text and "--show-dtypes" in text
