@@ -322,3 +322,39 @@ def test_the_restatement_check_finds_a_copied_rule():
     stub = '"""Task 9.\n\nAfter the unit\'s forward its unsharded storage has size 0 and the memory is free."""\n'
     assert restated_sentences("*Rule.* After the unit's forward, its unsharded storage has size 0.", [stub])
     assert not restated_sentences("*Problem.* When may a unit give its memory back?", [stub])
+
+
+# ---- issue 41: six facts the handout stated twice or more, each stated once now ------------------------------
+ONCE = {
+    "the autograder copies only the seven task files": r"copies \*?only\*? your\s+seven task files|copies your\s+seven task files",
+    "model.parameters() yields this rank's shards": r"`model\.parameters\(\)` yields this rank's shards",
+    "rank r keeps only shard r": r"[Rr]ank \$r\$ keeps only\s+shard \$r\$",
+    "the bonus writeup's contents (the template's bonus section holds them)": r"the device memory saved and the step time",
+    "16 Psi / W bytes per rank (Table 1's FSDP row)": r"^.*16 Psi \\/ W.*$",
+    "the total hours (the summary)": r"#total-hours\.at\(0\) to #total-hours\.at\(1\)",
+    "where a rank's prints show (Debugging)": r"`\[rank r\]`",
+}
+ALLOWED = {"the bonus writeup's contents (the template's bonus section holds them)": 0}
+
+
+def test_each_fact_is_stated_once_in_the_handout():
+    """The autograder's copied files, model.parameters() yielding shards, rank r keeping shard r, the bonus writeup's
+    contents, 16 Psi / W and the total hours were each stated two to four times (issue 41): once now, referred to
+    elsewhere. The Typst comments do not count (they never reach the PDF)."""
+    text = "\n".join(typst_lines for p in sorted((ROOT / "handout").glob("*.typ"))
+                     for typst_lines in [_typst_text(p.read_text(encoding="utf-8"))])
+    wrong = []
+    for fact, pattern in ONCE.items():
+        n = len(re.findall(pattern, text, re.MULTILINE))
+        if n != ALLOWED.get(fact, 1):
+            wrong.append(f"{fact}: stated {n} times")
+    assert not wrong, "the handout states a fact more than once (or lost it):\n  " + "\n  ".join(wrong)
+
+
+def _typst_text(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("//"))
+
+
+def test_the_once_check_finds_a_second_statement():
+    twice = "The autograder copies *only* your seven task files.\nThe autograder copies your\nseven task files."
+    assert len(re.findall(ONCE["the autograder copies only the seven task files"], twice, re.MULTILINE)) == 2
