@@ -507,14 +507,25 @@ def _keyword_inputs(rank, world_size):
     x, scale, shift = torch.randn(3, 7, dtype=torch.float64), torch.rand(7, dtype=torch.float16), torch.randn(7)
     h = model[0](x, scale=scale, extra={"shift": shift, "index": torch.arange(7)})
     model[1](h, scale=scale, extra={"shift": shift, "index": torch.arange(7)}).float().sum().backward()
-    return [block.seen for block in model]
+    # cast_forward_inputs=False: the same inputs reach the forward as they are.
+    uncast = KeywordInputs()
+    adapters.fully_shard(uncast, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                      cast_forward_inputs=False))
+    uncast(x, scale=scale, extra={"shift": shift, "index": torch.arange(7)})
+    return {"units": [block.seen for block in model], "uncast": uncast.seen}
 
 
 def test_mixed_precision_casts_keyword_inputs():
     expected = {"x": "torch.bfloat16", "scale": "torch.bfloat16", "extra.shift": "torch.bfloat16",
                 "extra.index": "torch.int64", "buffer gain": "torch.float32"}
+    as_given = {"x": "torch.float64", "scale": "torch.float16", "extra.shift": "torch.float32",
+                "extra.index": "torch.int64", "buffer gain": "torch.float32"}
     for rank, got in enumerate(run_ranks(_keyword_inputs, 2)):
-        for i, seen in enumerate(got):
+        assert got["uncast"] == [as_given], (
+            f"rank {rank}: with MixedPrecisionPolicy(param_dtype=bf16, cast_forward_inputs=False) the forward "
+            f"received inputs of dtypes {got['uncast']}; nothing is cast then, every input arrives as given: "
+            f"{as_given}")
+        for i, seen in enumerate(got["units"]):
             assert seen == [expected], (
                 f"rank {rank}: unit {i}'s forward received inputs of dtypes {seen}; with param_dtype=bf16 every "
                 f"floating-point input, positional or keyword (nested ones included), whatever its dtype (unit 0 gets "
