@@ -65,3 +65,27 @@ def test_unsharded_module_matches_eager_init_bitwise(model_name):
     assert got["fp64_dtypes"] == expected_dtypes, (
         f"a model built on meta in fp64 comes back with other dtypes: {wrong}: give every parameter and buffer "
         f"storage in its own dtype (a bf16 or fp64 model stays bf16 or fp64; integer and boolean buffers stay so)")
+
+
+# ---- State already off meta keeps its values; a None buffer stays None ---------------------------------------------
+def _partly_materialized(rank, world_size):
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        model = ToyMLP()
+    block = model.blocks[1]  # all its own state made real before materializing: a gate and a buffer
+    block.gate = torch.nn.Parameter(torch.full((block.gate.numel(),), 3.0), requires_grad=False)
+    block.scale = torch.full((block.scale.numel(),), 7.0)
+    model.blocks[2].register_buffer("absent", None)
+    adapters.materialize_meta_module(model, "cpu")
+    return {"gate": block.gate.detach().clone(), "scale": block.scale.clone(), "absent": model.blocks[2].absent,
+            "meta_left": [n for n, t in model.state_dict().items() if t is not None and t.is_meta]}
+
+
+def test_state_already_off_meta_keeps_its_values():
+    (got,) = run_ranks(_partly_materialized, 1)
+    assert not got["meta_left"], f"still on meta after materialize_meta_module: {got['meta_left']}"
+    for name, value in (("gate", 3.0), ("scale", 7.0)):
+        assert torch.equal(got[name], torch.full_like(got[name], value)), (
+            f"blocks.1.{name} was a real tensor (all {value}) before materialize_meta_module and became "
+            f"{got[name].tolist()[:4]}...: parameters and buffers already off meta keep their values (the docstring)")
+    assert got["absent"] is None, "a None buffer (blocks.2.absent) must stay None"
