@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import adapters
-from fsdp_assignment.support.models import GPT, GPTConfig, TiedModel, gpt_batch, gpt_loss
+from fsdp_assignment.support.models import GPT, GPTConfig, TiedModel, ToyMLP, gpt_batch, gpt_loss
 from tests.harness import Witness, run_ranks
 from tests.public.collectives import use_counted_collectives
 from tests.public.invariants import check_monitor
@@ -359,3 +359,39 @@ def test_full_model_state_dict_lives_on_rank_0_only_also_while_it_is_made():
             f"full model state dict ({model_bytes / 2**20:.1f} MiB): it exists on rank 0 only, and the other ranks "
             f"must not hold it while it is made either (take part in the gathers, keep nothing: about one unit's "
             f"parameters at a time)")
+
+
+# ---- Loading a model state dict restores the buffers too ----------------------------------------------------------
+def _toy(seed):
+    torch.manual_seed(seed)
+    model = ToyMLP()
+    hand_shard(model, [*model.blocks, model])
+    return model
+
+
+def _restore_buffers(rank, world_size):
+    model = _toy(0)
+    with torch.no_grad():
+        for i, block in enumerate(model.blocks):
+            block.scale.fill_(i + 0.25)  # changed since init: only the state dict can bring these values back
+    saved = {kind: adapters.get_model_state_dict(model, full=kind == "full") for kind in ("full", "sharded")}
+    box = [saved["full"]]
+    dist.broadcast_object_list(box, src=0)  # the same full dict on every rank
+    saved["full"] = box[0]
+    out = {}
+    for kind, state_dict in saved.items():
+        fresh = _toy(1)
+        adapters.set_model_state_dict(fresh, state_dict, full=kind == "full")
+        out[kind] = {n: b.clone() for n, b in fresh.named_buffers()}
+    return out
+
+
+def test_loading_a_model_state_dict_restores_buffers():
+    expected = {f"blocks.{i}.scale": torch.full((29,), i + 0.25) for i in range(3)}
+    for rank, got in enumerate(run_ranks(_restore_buffers, 2)):
+        for kind in ("full", "sharded"):
+            wrong = {n: b.tolist()[:3] for n, b in got[kind].items() if n in expected and not torch.equal(b, expected[n])}
+            assert got[kind].keys() >= expected.keys() and not wrong, (
+                f"rank {rank}: after loading a {kind} model state dict into a fresh model, its buffers (first values) "
+                f"{wrong or sorted(got[kind])}; the saved ones were {{blocks.i.scale: i + 0.25}}. Loading restores "
+                f"everything the dict holds, buffers included (module docstring)")

@@ -531,3 +531,29 @@ def test_mixed_precision_casts_keyword_inputs():
                 f"floating-point input, positional or keyword (nested ones included), whatever its dtype (unit 0 gets "
                 f"x in fp64, scale in fp16, extra.shift in fp32), reaches the forward in bf16 and other tensors "
                 f"unchanged; the module's own buffers keep their dtype: {expected}")
+
+
+# ---- A policy with reduce_dtype alone: gradients reduced in it, parameters left in their dtype ---------------------
+def _reduce_dtype_alone(rank, world_size):
+    log = use_counted_collectives(late=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)  # no param_dtype: compute in fp32
+    for layer in (model[0], model[2]):
+        adapters.fully_shard(layer, mixed_precision=policy)
+    adapters.fully_shard(model, mixed_precision=policy)
+    model(torch.randn(4, 6)).sum().backward()
+    return {"reductions": sorted({c["dtype"] for c in log.since() if c["kind"] == "reduce_scatter"}),
+            "gathers": sorted({c["dtype"] for c in log.since() if c["kind"] == "all_gather"}),
+            "grads": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})}
+
+
+def test_mixed_precision_with_reduce_dtype_alone():
+    for rank, got in enumerate(run_ranks(_reduce_dtype_alone, 2)):
+        assert got["reductions"] == ["torch.bfloat16"], (
+            f"rank {rank}: with MixedPrecisionPolicy(reduce_dtype=bf16) and no param_dtype, gradients were "
+            f"reduce-scattered in {got['reductions']}; reduce_dtype is the dtype gradients are reduced in, also when "
+            f"param_dtype is None (parameters then stay in their own dtype)")
+        assert got["gathers"] == ["torch.float32"] and got["grads"] == ["torch.float32"], (
+            f"rank {rank}: with reduce_dtype alone, parameters are gathered in {got['gathers']} and the shards' "
+            f"gradients are {got['grads']}; both stay in the parameters' dtype (fp32)")
