@@ -243,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true",
                    help=f"record the scores and failed tests in {RECORD.relative_to(ROOT)} (tests/staff/test_lies.py "
                         f"checks it)")
+    p.add_argument("--timeout", type=float, default=540,
+                   help="seconds one grading may take (the evidence tests took 330-460 s at load 10-17)")
     args = p.parse_args(argv)
     bad = 0
     record = json.loads(RECORD.read_text()) if args.write and args.only is not None and RECORD.exists() else {}
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             entry = {"what": lie.what, "subset": "evidence" if args.evidence else "all"}
             for lying in (False, True):
-                data = grade(lie, lying, Path(d), pytest_args)
+                data = grade(lie, lying, Path(d), pytest_args, timeout=args.timeout)
                 key = "lying" if lying else "honest"
                 entry[f"{key}_score"], entry[f"{key}_failed"] = required_score(data), failed_tests(data)
                 entry[f"{key}_seconds"] = round(data["_seconds"])

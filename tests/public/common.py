@@ -296,7 +296,7 @@ WITNESS_SENT_OVERHEAD_BYTES = 32 << 10
 def witness_bounds(unit_numels, world_size: int, *, built: int = 0, shard_copies: int = 2, unsharded: int = 2,
                    full_grads: int = 1, extra_bytes: int = 0, overhead_bytes: int = WITNESS_PEAK_OVERHEAD_BYTES,
                    moved: float = 0.0, extra_sent: int = 0, sent_overhead: int = WITNESS_SENT_OVERHEAD_BYTES,
-                   itemsize: int = 4, deferred: bool = False, marks: int | None = None, held_copies: int | None = None,
+                   itemsize: int = 4, deferred: bool = False, marks: int | None = None, held_copies=None,
                    held_full: int = 0, held_extra: int = 0, held_overhead: int | None = None):
     """A test's own bounds for the kernel's witness (tests/harness.py, Witness), from its own model.
 
@@ -317,7 +317,7 @@ def witness_bounds(unit_numels, world_size: int, *, built: int = 0, shard_copies
     whose models are a few KiB are bounded against gross excess (a leak of a large model), not against one unit.
     Held at the body's marks (``marks``: how many its body makes, e.g. one per Monitor.backward; each a moment
     where every unit is resharded): what the rank may hold above its body's start, without the peak's bulk
-    allowance:  held_copies · Σ/W (the shards it keeps: parameters, gradients, the optimizer's state)  +
+    allowance (``held_copies``: one number for every mark, or a list, one per mark):  held_copies · Σ/W (the shards it keeps: parameters, gradients, the optimizer's state)  +
     held_full · Σ (full gradients a no-sync step keeps)  +  ``held_extra``  +  ``held_overhead`` (by default
     WITNESS_HELD_OVERHEAD_BYTES + U: measured below). A unit kept unsharded there adds its whole size: never
     freeing the units adds Σ, which resolves where Σ stands well above U + 3.5 MiB (n_embd 192: Σ 5.2 MiB).
@@ -330,7 +330,9 @@ def witness_bounds(unit_numels, world_size: int, *, built: int = 0, shard_copies
     held = {}
     if held_copies is not None:
         overhead = WITNESS_HELD_OVERHEAD_BYTES + itemsize * biggest if held_overhead is None else held_overhead
-        held = {"each": itemsize * (held_copies * total // world_size + held_full * total) + held_extra + overhead}
+        copies = {"each": held_copies} if isinstance(held_copies, int) else dict(enumerate(held_copies, 1))
+        held = {k: itemsize * (c * total // world_size + held_full * total) + held_extra + overhead
+                for k, c in copies.items()}
     return Witness(peak_bytes=peak + extra_bytes + overhead_bytes,
                    sent_bytes=sent + extra_sent + sent_overhead + (sent + extra_sent) // 100,
                    deferred=deferred, marks=marks, held_bytes=held)
