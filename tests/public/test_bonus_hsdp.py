@@ -122,7 +122,7 @@ def _hsdp_runs(rank, world_size, shapes, prefetch):
         got["momentum"] = {k: v["momentum_buffer"].detach().cpu() for k, v in optim_sd.get("state", {}).items()
                            if "momentum_buffer" in v}
         # Loading across the mesh: rank 0's full state dict (sent to every rank) into a fresh HSDP model.
-        full = [model_sd if rank == 0 else None]
+        full = [own_storage(model_sd) if rank == 0 else None]  # the test's transfer: each tensor's own bytes
         torch.distributed.broadcast_object_list(full, src=0)
         torch.manual_seed(1)
         fresh = _shard_gpt(GPT(CFG), adapters.fully_shard, mesh=mesh)
@@ -252,6 +252,22 @@ def _check_hsdp(results, shape, expected, optim, norms):
                              rtol=RTOL)
         else:
             assert not got["model_sd"], f"{where}: a full state dict lives on rank 0 only; rank {rank} kept one"
+
+
+def own_storage(obj):
+    """``obj`` (a state dict: nested dicts, lists and tuples of tensors) with every tensor that is a view of a
+    larger storage copied into its own. The test sends the state dict between ranks for its own purposes, and
+    pickling a tensor sends its whole storage: a full state dict whose tensors are views of one gathered buffer
+    would otherwise send that buffer once per view, and the kernel would charge the test's transfer to the
+    submission's bytes. A tensor that owns its storage is sent as it is (no copy, no memory added)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else obj
+    if isinstance(obj, dict):
+        return {k: own_storage(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(own_storage(v) for v in obj)
+    return obj
 
 
 def _hsdp_witness(world_size: int, meshes: int):
