@@ -316,3 +316,49 @@ def test_what_an_async_collective_reads_stays_alive_until_its_wait():
             f"whatever an asynchronous collective reads (a reduce-scatter: the padded gradient you pass it) until "
             f"you wait() on its handle: gloo's reduce_scatter_tensor handle keeps none (asynchronous collectives "
             f"issued here: {got['async']})")
+
+
+# ---- After an order change, the second forward prefetches by the new order ---------------------------------------
+REORDERS = [[0, 1, 2, 3], [3, 2, 1, 0], [3, 2, 1, 0], [1, 3, 0, 2], [1, 3, 0, 2]]  # blocks run, per step
+
+
+def _reordered(rank, world_size):
+    log = use_counted_collectives(late=True)
+    torch.manual_seed(0)
+    model = SkippingGPT(CFG)
+    root = hand_shard_gpt(model, hooks=6)
+    root.shared.prefetch = True
+    units = {"root": root, **{f"block {i}": b._fsdp_unit for i, b in enumerate(model.blocks)}}
+    gathered, in_forward = [], [False]
+
+    def record(call, output, sent):  # which unit each all-gather of a forward is for, in issue order
+        if call.kind == "all_gather" and in_forward[0]:
+            gathered[-1].append(gathered_unit(sent, units))
+
+    log.listener = record
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, order in enumerate(REORDERS):
+        model.order, in_forward[0] = order, True
+        gathered.append([])
+        idx, tgt = local_batch(CFG, rank, world_size, step)
+        optim.zero_grad()
+        loss = gpt_loss(model, idx, tgt)
+        in_forward[0] = False
+        loss.backward()
+        optim.step()
+    log.listener = None
+    return {"gathered": gathered}
+
+
+def test_prefetch_follows_a_new_order_from_the_second_forward_on():
+    for rank, got in enumerate(run_ranks(_reordered, 2)):
+        for step, order in enumerate(REORDERS):
+            if step and order != REORDERS[step - 1]:
+                continue  # the first forward after an order change may still prefetch by the old order
+            blocks = [u for u in got["gathered"][step] if u != "root"]  # the root's: before or after the first block's
+            expected = [f"block {i}" for i in order]
+            assert blocks == expected, (
+                f"rank {rank}, step {step}: the forward's all-gathers were issued for {got['gathered'][step]}, in "
+                f"that order; the blocks ran in the order {order}, as in the forward before (step {step - 1}), so "
+                f"the blocks are gathered in that order: {expected}. Prefetching follows the order the last forward "
+                f"ran (the first forward after an order change may still follow the old one, the next may not)")
