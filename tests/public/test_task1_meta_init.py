@@ -89,3 +89,31 @@ def test_state_already_off_meta_keeps_its_values():
             f"blocks.1.{name} was a real tensor (all {value}) before materialize_meta_module and became "
             f"{got[name].tolist()[:4]}...: parameters and buffers already off meta keep their values (the docstring)")
     assert got["absent"] is None, "a None buffer (blocks.2.absent) must stay None"
+
+
+# ---- A module with meta state and no reset_parameters() is refused ----------------------------------------------
+class _NoInit(torch.nn.Module):
+    """Owns a parameter but cannot re-initialize it: nothing could replay its init."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(3))
+
+
+def _without_reset_parameters(rank, world_size):
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(2, 3), _NoInit())
+    try:
+        adapters.materialize_meta_module(model, "cpu")
+    except TypeError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_module_with_meta_state_and_no_reset_parameters_is_refused():
+    (got,) = run_ranks(_without_reset_parameters, 1)
+    assert got["error"] is not None, (
+        "materialize_meta_module on a model with a module (_NoInit) that owns a meta parameter but defines no "
+        "reset_parameters() must raise TypeError (the docstring): there is no init to replay")
+    assert any(name in got["error"] for name in ("_NoInit", "'1'", '"1"')), (
+        f"the TypeError must name the module (its class, _NoInit, or its name, '1'): {got['error']!r}")
