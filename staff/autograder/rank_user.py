@@ -151,4 +151,19 @@ def syscall_filter_note(tree: Path) -> str:
             return f"the filter could not be tried: {type(err).__name__}: {err}"
 
     why = in_child(probe, 1000)
-    return why or "ranks refuse memfd_create, memfd_secret, unshare, setns and namespace clones (seccomp)"
+    return why or ("ranks refuse memfd_create, memfd_secret, unshare, setns, namespace clones, and every socket but "
+                   "TCP (seccomp)")
+
+
+def private_places_note() -> str:
+    """Whether ranks get private /tmp, /dev/shm and TMPDIR here (tests/rank_places.py: a mount namespace each where
+    root may make one, else a folder per rank that a sibling of the same uid can still enter): tried once in a
+    child process (forked: one thread, as a rank is when it tries), for the staff's log."""
+    def probe() -> str:
+        try:
+            from tests import rank_places
+            rank_places.enter_own_mount_namespace()
+            return rank_places.private_places_note()
+        except BaseException as err:
+            return f"private places could not be tried: {type(err).__name__}: {err}"
+    return in_child(probe, 1000)

@@ -588,3 +588,17 @@ def test_every_world_writable_place_on_the_image_gets_a_private_tmpfs_in_a_rank(
     uncovered = [p for p in world_writable_places() if p != MQUEUE_DIR  # mq_open is refused in a rank
                  and not any(p == s or p.startswith(s + "/") for s in SHARED_PLACES)]
     assert not uncovered, f"world-writable, and shared by the ranks: {uncovered} (add them to SHARED_PLACES)"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_the_staff_log_says_whether_ranks_get_private_places():
+    """grade.py can log rank_user.private_places_note(): the namespace where root may make one (here), and with
+    FSDP_RANK_MOUNT_NAMESPACE=0 the fallback, saying what stays shared."""
+    from staff.autograder.rank_user import private_places_note
+    import subprocess
+    import sys
+    assert private_places_note() == "ranks get private /tmp, /var/tmp, /dev/shm and TMPDIR (a mount namespace each)"
+    code = "from staff.autograder.rank_user import private_places_note as n; print(n())"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, FSDP_RANK_MOUNT_NAMESPACE="0"),
+                         capture_output=True, text=True, check=True).stdout
+    assert "share /tmp and /dev/shm" in out, out
