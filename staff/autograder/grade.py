@@ -223,7 +223,7 @@ def closing_line(summary: dict | None, killed: bool, total: int) -> str:
     parts = []
     if not_run.get("budget"):
         parts.append(f"{not_run['budget']} not started because the grading time budget ({budget:.0f} s) had less "
-                     f"left than their time limit or had run out" if budget else
+                     f"left than they need or had run out" if budget else
                      f"{not_run['budget']} not started: the grading time budget ran out")
     if not_run.get("share"):
         parts.append(f"{not_run['share']} not run because their task's share of the budget went to its failing "
@@ -231,7 +231,8 @@ def closing_line(summary: dict | None, killed: bool, total: int) -> str:
     if not_run.get("stopped"):
         parts.append(f"{not_run['stopped']} not run because the run stopped before them")
     if cut:
-        parts.append(f"{cut} cut for time (running when the run was killed at --timeout: not a hang)")
+        parts.append(f"{cut} cut for time (their limit cut to what was left of the budget and run out of, or "
+                     f"running when the run was killed at --timeout: not a hang)")
     return (f"{short} of {n} tests were not run or cut for time, so not graded on their merits: "
             + "; ".join(parts) + f". {load_note()}")
 

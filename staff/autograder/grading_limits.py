@@ -3,8 +3,9 @@
 Decides how long each graded test may run (``limit``), which tests are not run because their task (or their
 bonus: each bonus has a share of its own) spent its share of ``--grade-budget`` on failures or because a function
 they call hangs whatever the configuration (``why_not_run``), and which tests run as probes with a shorter limit
-(``probe_limit``), and which tests are not started because what is left of the budget is less than their whole
-limit (a test runs with its whole limit or not at all: a timeout is then always evidence). Reads
+(``probe_limit``), which tests are not started because what is left of the budget is less than they need, and
+which failures are "cut for time" (a limit cut to what was left of the budget, run out of: no evidence of a hang,
+never blamed; ``cut_failure``). Reads
 ``test_times.json`` (the reference's measured time per test and the task functions it calls; ``measure_times.py``
 writes it, through ``--grade-record``, also handled here). The plugin (grading_plugin.py) calls it around each test.
 """
@@ -97,8 +98,9 @@ class TimeLimits:
     limit(test) = TEST_TIMEOUT_FACTOR * (t + STARTUP_S); need(test) = LOAD_FACTOR * max(t, NEED_FLOOR_S);
     share(part) = B * need(part's tests) / need(all tests), where a part is a task or one bonus (HSDP, CPU offload:
     each bonus is graded on its own clock, so one bonus's failures never leave another's tests unrun). A test runs
-    with its whole limit, and is not started when B - elapsed is less (a limit the budget cut is not evidence: a
-    timeout at it would read as a hang); the time of every test that does not pass is charged to its part ("lost"),
+    for at most min(limit, B - elapsed), and is not started when B - elapsed < min(limit, need): a test whose limit
+    was cut and that ran out of it is "cut for time", not a hang (a cut limit is not evidence: cut_failure); the
+    time of every test that does not pass is charged to its part ("lost"),
     and once a part has lost its share, its later tests are not run. So hangs cost a part at most its share plus one
     limit, and the other parts keep the rest of the budget; tests that pass are never charged (a loaded machine
     slows every part alike: only the global budget bounds them)."""
@@ -126,6 +128,8 @@ class TimeLimits:
         self.hung: dict[frozenset, dict] = {}
         # why the last test why_not_run turned away was not run: "hang", "share" or "budget" (the last two: for time)
         self.not_run_kind: str | None = None
+        # (seconds, its whole limit) when the running test's limit was cut to what was left of the budget, else None
+        self.cut: tuple[float, float] | None = None
         self.probing: list[frozenset] = []    # the blamed sets the running test calls (it runs as a probe)
         self.started_at: float | None = None
         self.durations: dict[str, float] = {}
@@ -190,26 +194,47 @@ class TimeLimits:
             self.not_run_kind = "share"
             return self.out_of_share(part)
         full = self.probe_limit(nodeid) if self.probing else self.limit(nodeid)
-        if self.budget - elapsed < full:
-            # A limit the budget cut is not evidence: a correct test that timed out at what was left of the
-            # budget read as a hang (issue 42: "timed out after 5.65505 s ... a collective that not every rank
-            # calls?"). So a test runs with its full limit or not at all; a later, shorter test may still fit.
+        if self.budget - elapsed < min(full, self.need(nodeid)):
+            # Less left than the test needs on a busy machine: not started (a later, shorter test may still fit).
+            # With at least that left but less than its limit, it starts with what is left (start_test), and a
+            # failure that ran out of it is "cut for time" (cut_failure), never a hang: a limit the budget cut is
+            # not evidence (issue 42: "timed out after 5.65505 s ... a collective that not every rank calls?").
             self._skip(part)
             self.probing = []
             self.not_run_kind = "budget"
-            return self.out_of_budget(full, self.budget - elapsed)
+            return self.out_of_budget(nodeid, full, self.budget - elapsed)
         return None
 
-    def out_of_budget(self, full: float, left: float) -> str:
-        """The output of a test not started because what was left of the budget was less than its time limit."""
+    def need(self, nodeid: str) -> float:
+        """What a test is expected to take on a busy machine (load 10): its share of the budget's arithmetic."""
+        return LOAD_FACTOR * max(self.reference_seconds(nodeid), NEED_FLOOR_S)
+
+    def out_of_budget(self, nodeid: str, full: float, left: float) -> str:
+        """The output of a test not started because too little was left of the budget."""
         return (f"not run: the grading time budget ({self.budget:.0f} s) had {max(left, 0.0):.0f} s left when this "
-                f"test's turn came, less than its time limit ({full:.0f} s), so it was not started: it was not "
-                f"graded, and nothing in it failed. A test runs with its full time limit or not at all, so that a "
-                f"timeout always means the code took more than that limit, never that the grader's time ran out. "
-                f"The time went to the tests before it (a busy grading machine runs every test slower; a test that "
+                f"test's turn came, less than it needs on a busy machine ({self.need(nodeid):.0f} s; its time "
+                f"limit is {full:.0f} s), so it was not started: it was not graded, and nothing in it failed. The "
+                f"time went to the tests before it (a busy grading machine runs every test slower; a test that "
                 f"hangs waits for its whole limit). To have it graded: ask the course staff to grade the submission "
                 f"again; they grade it with `python -m staff.autograder.grade --zip`, which has no time budget "
-                f"unless given one (--budget) and gives every test its full limit.")
+                f"unless given one (--budget) and gives every test its whole limit.")
+
+    def cut_failure(self, exc, call_seconds: float) -> str | None:
+        """For a failure of the running test: if its limit was cut to what was left of the budget and it failed
+        by running out of that (the harness's timeout, or a failure once 80% of it had passed: the harness shrinks
+        its collective timeouts to the deadline too), what its output says instead of the failure (None
+        otherwise: a failure well before the cut deadline is the code's own)."""
+        if self.cut is None:
+            return None
+        seconds, full = self.cut
+        if not (_is_hang(exc) or call_seconds >= 0.8 * seconds):
+            return None
+        return (f"did not finish, cut for time: this test started with {seconds:.0f} s left of the grading time "
+                f"budget ({self.budget:.0f} s), less than its time limit ({full:.0f} s), and ran out of it. That "
+                f"is the grader's time running out, not evidence of a hang or of a wrong result: the test was not "
+                f"graded on its merits (0 points), and no function is blamed for a hang. To have it graded, ask the "
+                f"course staff to grade the submission again (`python -m staff.autograder.grade --zip` gives every "
+                f"test its whole limit).")
 
     def out_of_share(self, part: int | str) -> str:
         """The output of a test not run because its part spent its share on failures: what ran out (the grader's
@@ -242,7 +267,10 @@ class TimeLimits:
         seconds = self.limit(item.nodeid)
         if self.probing:
             seconds = min(seconds, self.probe_limit(item.nodeid))
-        # Never cut to what is left of the budget: why_not_run started the test only because its whole limit fits.
+        self.cut = None
+        if self.budget is not None and self.budget - elapsed < seconds:  # what is left (why_not_run: >= its need)
+            self.cut = (max(1.0, self.budget - elapsed), seconds)
+            seconds = self.cut[0]
         os.environ["FSDP_RANK_DEADLINE"] = f"{time.time() + seconds:.3f}"
         return seconds  # (pytest-timeout's backstop was set at collection: limit + BACKSTOP_MARGIN_S)
 
@@ -261,6 +289,7 @@ class TimeLimits:
 
     def end_test(self, nodeid: str, task: int | str, elapsed: float, call_seconds: float, passed: bool) -> None:
         os.environ.pop("FSDP_RANK_DEADLINE", None)
+        self.cut = None
         task = self.part.get(nodeid, task)
         if passed:  # it called every function of these sets and did not hang: the hang is confined to a branch
             for functions in self.probing:
@@ -276,7 +305,7 @@ class TimeLimits:
 
     def record_failure(self, nodeid: str, name: str, exc) -> list[str]:
         """Remember the functions a hang is blamed on; returns their labels."""
-        if not self.enabled or not _is_hang(exc):
+        if not self.enabled or not _is_hang(exc) or self.cut is not None:  # a cut limit is no evidence of a hang
             return []
         blamed = frozenset(hung_functions(str(exc), self.known))
         if not blamed:

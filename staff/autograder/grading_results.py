@@ -77,7 +77,7 @@ class ResultsJson:
                     "limit or a crash); it scores 0")
         elif rec.passed:
             body = f"passed ({rec.duration:.1f} s)"
-        elif rec.failed_phase == "not run":
+        elif rec.failed_phase in ("not run", "cut"):  # the reason, as it stands (no "failed:" before it)
             body = rec.failure
         else:
             phase = {"setup": "failed while setting up", "teardown": "failed while tearing down"}.get(
@@ -180,7 +180,8 @@ class ResultsJson:
         ``extra_data["time"]``; grade.py's progress line and closing line read it): the tests finished, the one
         running, those not run for time by reason ("budget": what was left of it was less than the test's limit, or
         it ran out; "share": its task's share went to failing tests; "stopped": the run stopped before them), those
-        cut for time (running when the run ended), and the reference's seconds (each + STARTUP_S) of the tests that
+        cut for time (run out of a limit cut to what was left of the budget, or running when the run ended), and
+        the reference's seconds (each + STARTUP_S) of the tests that
         ran and of those left, for an estimate of the time left."""
         not_run: dict[str, list[str]] = {"budget": [], "share": [], "stopped": []}
         cut: list[str] = []
@@ -194,6 +195,8 @@ class ResultsJson:
                     ref_done += seconds
                 elif rec.not_run_kind in not_run:
                     not_run[rec.not_run_kind].append(rec.name)
+                if rec.failed_phase == "cut":  # its limit cut to what was left of the budget, and it ran out of it
+                    cut.append(rec.name)
             elif self.final:  # the session ended without running it (pending) or finishing it (running)
                 if rec.state == "running":
                     cut.append(rec.name)

@@ -221,22 +221,34 @@ def _grade(tree: Path, *extra: str, **env) -> dict:
                                                                         "_time": data["extra_data"]["time"]}
 
 
-# A third module: one task-2 test, run after test_2a_passes (collection order), which hangs if FAKE_PLAN names it.
+# A third module: task-2 tests run after test_2a_passes (collection order); each hangs if FAKE_PLAN names it
+# ("2y" for test_2y_...), and test_2x_wrong fails at once on a wrong value.
 BIG_TEST = '''
 import pytest
 from test_fake import _act
-
+'''
+WRONG_TEST = '''
 
 @pytest.mark.task2
-def test_2z_big():
-    _act("2z")
+def test_2x_wrong():
+    raise AssertionError("rank 0: loss 2.5, expected 2.25")
+'''
+BIG_TEST_EACH = '''
+
+@pytest.mark.task2
+def {name}():
+    _act("{short}")
 '''
 
 
-def _add_big_test(tree: Path, seconds: float) -> None:
-    (tree / "tests" / "public" / "test_fake3.py").write_text(BIG_TEST)
+def _add_big_test(tree: Path, seconds: float, *, names: dict[str, float] | None = None) -> None:
+    """test_fake3.py with test_2z_big (its reference time ``seconds``) or the tests ``names`` (name: seconds)."""
+    names = names or {"test_2z_big": seconds}
+    (tree / "tests" / "public" / "test_fake3.py").write_text(BIG_TEST + "".join(
+        WRONG_TEST if n == "test_2x_wrong" else BIG_TEST_EACH.format(name=n, short=n[5:7]) for n in names))
     times = json.loads((tree / "times.json").read_text())
-    times["tests"]["tests/public/test_fake3.py::test_2z_big"] = {"seconds": seconds, "calls": [FN]}
+    for name, t in names.items():
+        times["tests"][f"tests/public/test_fake3.py::{name}"] = {"seconds": t, "calls": [FN]}
     (tree / "times.json").write_text(json.dumps(times))
 
 
@@ -335,35 +347,49 @@ def _grade_command(tree: Path, capsys, monkeypatch, *, budget: float | None, tim
     return {t["name"].split("::", 1)[1]: t for t in data["tests"]}, capsys.readouterr().out
 
 
-def test_a_test_whose_limit_the_budget_would_cut_is_not_started_and_the_closing_line_counts_it(tmp_path, monkeypatch,
-                                                                                            capsys):
+def test_a_limit_the_budget_cut_is_no_evidence_and_the_closing_line_counts_what_time_took(tmp_path, monkeypatch,
+                                                                                          capsys):
     """Issue 42: a test started with 5.66 s of budget left, its limit cut to that; it timed out and failed as a
     hang ("a collective that not every rank calls?"), the hang blame named a function, and the closing line said
-    "0 of 86 tests did not finish or were not run for time" while 23 were not run. Now a test whose whole limit
-    (30 x (3 + 1) s = 120 s) is more than what is left of the budget (100 s) is not started: "not run", saying why
-    and what to do, never run with a cut limit (had it run, it would have "hung": FAKE_PLAN), no hang blamed; the
-    other tests run; the closing line counts it, from the records the outputs come from."""
+    "0 of 86 tests did not finish or were not run for time" while 23 were not run. With 100 s of budget (about 98
+    left when task 2's last tests come):
+    - test_2y_cut (limit 30 x (3 + 1) = 120 s, needs 10 x 3 = 30 s at load 10) starts with what is left, and its
+      ranks "hang" until that cut deadline: "did not finish, cut for time", no hang's message, no function blamed;
+    - test_2x_wrong, cut the same way, fails at once on a wrong value: a failure on its merits, shown as one;
+    - test_2z_big (needs 10 x 12 = 120 s, more than is left) is not started: "not run", saying why and what to do;
+    and the closing line counts the two, from the records the outputs come from."""
     none = {"seconds": 0.1, "calls": []}
     tree = _fake_tree(tmp_path, {"test_1a": none, "test_1b": none, "test_1c": none, "test_1d": none, "test_1e": none,
                                  "test_2a_passes": none})
-    _add_big_test(tree, seconds=3.0)
-    tests, log = _grade_command(tree, capsys, monkeypatch, budget=100, timeout=160, FAKE_PLAN="2z",
+    _add_big_test(tree, 0, names={"test_2x_wrong": 3.0, "test_2y_cut": 3.0, "test_2z_big": 12.0})
+    tests, log = _grade_command(tree, capsys, monkeypatch, budget=100, timeout=160, FAKE_PLAN="2y,2z",
                                 FAKE_HANG_IN=FN)
+    body = {n: t["output"].split("\n\n", 1)[1] for n, t in tests.items()}
+    assert all(tests[n]["status"] == "passed" for n in tests if not n.startswith(("test_2x", "test_2y", "test_2z"))), \
+        tests
+    cut = tests["test_2y_cut"]
+    assert cut["status"] == "failed" and cut["score"] == 0
+    assert re.match(r"did not finish, cut for time: this test started with \d+ s left of the grading time budget "
+                    r"\(100 s\), less than its time limit \(120 s\), and ran out of it\. That is the grader's time "
+                    r"running out, not evidence of a hang", body["test_2y_cut"]), body["test_2y_cut"]
+    assert "timed out" not in cut["output"] and "hung" not in cut["output"], cut["output"]
+    assert "hung:" not in log, log  # no function blamed (grading_limits' summary row)
+    assert re.search(r"time limit: (9\d|100) s", cut["output"]), cut["output"]  # it ran, with what was left
+    wrong = tests["test_2x_wrong"]
+    assert body["test_2x_wrong"].startswith("failed:\n\nrank 0: loss 2.5, expected 2.25"), wrong["output"]
     big = tests["test_2z_big"]
-    body = big["output"].split("\n\n", 1)[1]
     assert big["status"] == "failed" and big["score"] == 0
     assert re.match(r"not run: the grading time budget \(100 s\) had \d+ s left when this test's turn came, less "
-                    r"than its time limit \(120 s\), so it was not started: it was not graded, and nothing in it "
-                    r"failed\.", body), body
-    assert "ask the course staff to grade the submission again" in body and "grade --zip" in body, body
-    assert "timed out" not in body and "hung" not in body and "time limit: " not in big["output"], big["output"]
-    assert "hung:" not in log, log  # no hang blamed (grading_limits' summary row)
-    assert all(tests[n]["status"] == "passed" for n in tests if n != "test_2z_big"), tests
-    # The closing line counts what the outputs say: one test not run for time, of seven.
-    not_run = [n for n, t in tests.items() if t["output"].split("\n\n", 1)[1].startswith("not run")]
-    assert not_run == ["test_2z_big"]
-    assert re.search(r"^grade: 1 of 7 tests were not run or cut for time, so not graded on their merits: 1 not "
-                     r"started because the grading time budget \(100 s\) had less left than their time limit",
+                    r"than it needs on a busy machine \(120 s; its time limit is 390 s\), so it was not started: it "
+                    r"was not graded, and nothing in it failed\.", body["test_2z_big"]), body["test_2z_big"]
+    assert "ask the course staff to grade the submission again" in big["output"] and "grade --zip" in big["output"]
+    assert "time limit: " not in big["output"] and "hung" not in big["output"], big["output"]
+    # The closing line counts what the outputs say: one not run and one cut for time, of nine.
+    assert [n for n, b in body.items() if b.startswith(("not run", "did not finish"))] == ["test_2y_cut",
+                                                                                           "test_2z_big"]
+    assert re.search(r"^grade: 2 of 9 tests were not run or cut for time, so not graded on their merits: 1 not "
+                     r"started because the grading time budget \(100 s\) had less left than they need or had run "
+                     r"out; 1 cut for time \(their limit cut to what was left of the budget and run out of",
                      log, re.MULTILINE), log
     assert "to grade every test, run it with no --budget and no --timeout" in log, log
 
@@ -383,8 +409,9 @@ def test_a_test_running_when_the_run_is_killed_is_cut_for_time_and_counted(tmp_p
     assert body.startswith("did not finish: the grading run was stopped while this test was running"), body
     assert "hung" not in tests["test_1b"]["output"], tests["test_1b"]["output"]
     assert re.search(r"^grade: 5 of 6 tests were not run or cut for time, so not graded on their merits: 4 not run "
-                     r"because the run stopped before them; 1 cut for time \(running when the run was killed at "
-                     r"--timeout: not a hang\)", log, re.MULTILINE), log
+                     r"because the run stopped before them; 1 cut for time \(their limit cut to what was left of "
+                     r"the budget and run out of, or running when the run was killed at --timeout: not a hang\)",
+                     log, re.MULTILINE), log
 
 
 def test_a_tas_run_has_no_budget_and_gradescope_keeps_its_clock():
