@@ -117,3 +117,42 @@ def test_module_with_meta_state_and_no_reset_parameters_is_refused():
         "reset_parameters() must raise TypeError (the docstring): there is no init to replay")
     assert any(name in got["error"] for name in ("_NoInit", "'1'", '"1"')), (
         f"the TypeError must name the module (its class, _NoInit, or its name, '1'): {got['error']!r}")
+
+
+# ---- A module that owns only buffers is initialized too ----------------------------------------------------------
+class _RandomBuffer(torch.nn.Module):
+    """Owns a buffer and no parameter; its init draws random numbers (the model contract: reset_parameters())."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("noise", torch.empty(4))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        self.noise.normal_()
+
+
+def _buffers_only():
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), _RandomBuffer(), torch.nn.Linear(4, 2))
+
+
+def _materialize_buffers_only(rank, world_size):
+    torch.manual_seed(11)
+    with torch.device("meta"):
+        model = _buffers_only()
+    adapters.materialize_meta_module(model, "cpu")
+    return {"state": {k: None if v.is_meta else v.clone() for k, v in model.state_dict().items()},
+            "after": torch.rand(2)}
+
+
+def test_a_module_owning_only_buffers_is_initialized_too():
+    (got,) = run_ranks(_materialize_buffers_only, 1)
+    torch.manual_seed(11)
+    eager = _buffers_only()
+    after = torch.rand(2)
+    for name, tensor in eager.state_dict().items():
+        assert got["state"].get(name) is not None and torch.equal(got["state"][name], tensor), (
+            f"{name} differs from eager init under the same seed (or stayed on meta); '1' owns only a buffer whose "
+            f"init draws random numbers: a module that owns meta buffers and no parameter is initialized too, in its "
+            f"place in the order")
+    assert torch.equal(got["after"], after), "the random generator ends in a different state than after eager init"
