@@ -1,13 +1,25 @@
 """Trace your FSDP: which of your functions ran, in order, per rank and per unit, beside the collectives.
 
     python benchmarks/hook_trace.py                         # the four scenarios below, fully_shard (Task 7)
-    python benchmarks/hook_trace.py --scenario lora         # one scenario: lora, reentrant or twice
+    python benchmarks/hook_trace.py --scenario lora         # one scenario: lora, reentrant, twice or meta
     python benchmarks/hook_trace.py --hooks 4               # units made by hand with Task 4's life cycle
                                                             # (before Task 7 works; 6: Task 6's, prefetch on)
     python benchmarks/hook_trace.py --prefetch --steps 2    # Task 6: a second step runs on the recorded order
     python benchmarks/hook_trace.py --scenario lora --freeze-embedding   # the first block's input needs no grad
     python benchmarks/hook_trace.py --mixed-precision       # bf16 parameters, fp32 reduction: the dtypes moved
+    python benchmarks/hook_trace.py --scenario meta --show-rng     # Task 1: each module's materialised values
+                                                            # against eager init under the same seed (torch.equal)
+    python benchmarks/hook_trace.py --show-state-dict-peaks # Task 5: per rank, the peak bytes while your code
+                                                            # builds the full and the sharded state dicts
+    python benchmarks/hook_trace.py --scenario lora --mixed-precision --show-dtypes   # per unit: the dtypes
+                                                            # gathered, in forward, of the grads, reduced
     python benchmarks/hook_trace.py --json                  # the events as JSON, for your own scripts
+
+A --show-* option with no --scenario runs the scenario it needs (--show-rng, --show-state-dict-peaks: meta;
+--show-dtypes: lora); its table follows the scenario's trace (hook_trace_probes.py says what each measures).
+
+Your prints show: whatever your code prints (or writes to stderr) inside a rank is printed first, every line
+labelled ``[rank r]``, passing or failing, and rank 0's prints appear in its timeline too, where they happened.
 
 A debugging tool first: when a test says a unit stayed unsharded, was gathered twice, or that a collective hung,
 the trace shows what your code did, call by call. The writeup's questions on your design (Q1, Q3, Q7, Q8) ask about
@@ -36,8 +48,10 @@ The scenarios (the Task 4 hard cases and Task 1 on meta, models from ``fsdp_assi
                "materialize" phase shows your calls unit by unit (--setup shows the sharding too)
 
 Output: per scenario, rank 0's timeline (the other ranks' are printed only where they differ: ranks that issue
-different collectives hang or pair the wrong tensors), then per unit the sequence of its events. A task that
-still raises NotImplementedError is named, with the trace up to that point.
+different collectives hang or pair the wrong tensors), then per unit the sequence of its events (a call that
+starts work on the unit names the call of yours it ran under) and, per FlatParameter, what is all-gathered and
+what is reduce-scattered (a frozen one is gathered, never reduce-scattered). A task that still raises
+NotImplementedError is named, with the trace up to that point.
 """
 
 from __future__ import annotations
@@ -53,29 +67,67 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.hook_trace_scenarios import META_CONFIG, _build, _eager_meta_model  # noqa: E402,F401
+from benchmarks.hook_trace_report import (COLLECTIVE_NAMES, _collapsed, _short, line_of, per_unit,  # noqa: E402,F401
+                                          report, status, timeline)
+
 SCENARIOS = ("lora", "reentrant", "twice", "meta")
-COLLECTIVE_NAMES = {"all_gather": "ALL-GATHER", "reduce_scatter": "REDUCE-SCATTER"}
 
 
 # ---- inside a rank ----------------------------------------------------------------------------------------
 class Recorder:
     """The events of one rank, in order: calls of the task files' functions and the collectives they issue."""
 
-    def __init__(self):
+    def __init__(self, rank: int = 0):
+        self.rank = rank
         self.events: list[dict] = []
         self.stack: list[tuple[str, str]] = []   # (function, unit) of the calls in progress, innermost last
         self.names: dict[int, str] = {}          # id(module, unit, FlatParameter or its tensors) -> unit name
         self.model = None
         self.units = {}                          # unit name -> FSDPUnit, for gathered_unit
+        self.param_names: dict[str, list] = {}   # module path -> [(name, requires_grad)] of its own parameters
+        self.sizes: dict[str, int] = {}          # the model's Psi and trainable Psi, counted before sharding
         self.phase = "setup"
+        self.paused = False                      # the --show-* checks: their calls and collectives are not traced
         self._lock = threading.Lock()
 
     def name_modules(self, model) -> None:
         """Name every module of ``model`` now (before sharding): a module passed to your code is named by its
-        path ("blocks.0"; the root is "<root>")."""
+        path ("blocks.0"; the root is "<root>"); note each module's own parameters and the model's size."""
         self.model = model
         for name, module in model.named_modules():
             self.names[id(module)] = name or "<root>"
+            own = [(n, p.requires_grad) for n, p in module.named_parameters(recurse=False)]
+            if own:
+                self.param_names[name] = own
+        params = list(model.parameters())
+        self.sizes = {"psi": sum(p.numel() for p in params),
+                      "psi_trainable": sum(p.numel() for p in params if p.requires_grad)}
+
+    def describe_units(self) -> dict[str, list[dict]]:
+        """Per unit, its FlatParameters in order: shard size and dtype, trainable or frozen (for the per-unit
+        summary's gathered / reduce-scattered lines)."""
+        self._refresh_units()
+        return {label: [{"index": i, "shard_numel": int(fp.shard.numel()), "requires_grad": bool(fp.requires_grad),
+                         "dtype": str(fp.shard.dtype).replace("torch.", "")} for i, fp in enumerate(unit.flat_params)]
+                for label, unit in self.units.items()}
+
+    def _flat_of(self, unit: str, sent, output, kind: str):
+        """Which of ``unit``'s FlatParameters a collective moves (its index), or None when it cannot tell: an
+        all-gather by the shard it sends (as gathered_unit), a reduce-scatter by its output's size (a trainable
+        FlatParameter first: a frozen one has no gradient)."""
+        import torch
+        fps = list(getattr(self.units.get(unit), "flat_params", []))
+        if kind == "all_gather" and sent is not None:
+            sent = sent.detach().reshape(-1)
+            found = [i for i, fp in enumerate(fps) if fp.shard.numel() == sent.numel()
+                     and torch.equal(fp.shard.detach().to(device=sent.device, dtype=sent.dtype), sent)]
+        elif kind == "reduce_scatter" and output is not None:
+            found = [i for i, fp in enumerate(fps) if fp.shard.numel() == output.numel()]
+            found = [i for i in found if fps[i].requires_grad] or found
+        else:
+            return None
+        return found[0] if len(found) == 1 else None
 
     def _refresh_units(self) -> None:
         from fsdp_assignment.support.state import FSDPUnit
@@ -106,6 +158,8 @@ class Recorder:
         return self.stack[-1][1] if self.stack else ""
 
     def add(self, **event) -> None:
+        if self.paused and event["kind"] not in ("phase", "print"):
+            return
         with self._lock:
             event.update(i=len(self.events), depth=len(self.stack), phase=self.phase)
             self.events.append(event)
@@ -119,9 +173,44 @@ class Recorder:
             unit = gathered_unit(sent, self.units) or ""
         if not unit and self.stack:
             unit = self.stack[-1][1]
+        flat = self._flat_of(unit, sent, output, call.kind) if unit in self.units else None
         self.add(kind="collective", name=COLLECTIVE_NAMES.get(call.kind, call.kind.upper().replace("_", "-")),
                  unit=unit, numel=call.numel, dtype=call.dtype.replace("torch.", ""), async_op=call.async_op,
-                 caller=self.stack[-1][0] if self.stack else "")
+                 caller=self.stack[-1][0] if self.stack else "", flat=flat)
+
+    def add_print(self, line: str, stream: str) -> None:
+        """A line your code wrote to stdout or stderr, at the place in the trace where it wrote it."""
+        self.add(kind="print", name=line[:1000], unit=self.stack[-1][1] if self.stack else "", stream=stream,
+                 rank=self.rank)
+
+
+class _PrintTee:
+    """The rank's sys.stdout or sys.stderr: every write passes through (the harness shows the rank's output after
+    the run, each line labelled [rank r]), and each complete line written while a scenario runs is also recorded
+    as a "print" event, so the timeline shows it where it happened."""
+
+    def __init__(self, inner, stream: str):
+        self._inner, self._stream, self._partial = inner, stream, ""
+
+    def write(self, text):
+        n = self._inner.write(text)
+        if _CURRENT and isinstance(text, str):
+            *lines, self._partial = (self._partial + text).split("\n")
+            for line in lines:
+                _CURRENT[-1].add_print(line, self._stream)
+        return n
+
+    def end_line(self) -> None:
+        """At a scenario's end: a last line written without its newline is recorded too."""
+        if self._partial and _CURRENT:
+            _CURRENT[-1].add_print(self._partial, self._stream)
+        self._partial = ""
+
+    def flush(self):
+        return self._inner.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 _CURRENT: list[Recorder] = []  # the recorder of the scenario running in this rank (the wrappers are made once)
@@ -134,7 +223,9 @@ def _wrap(fn, label: str):
             return fn(*args, **kwargs)
         rec = _CURRENT[-1]
         unit = rec.unit_of(args, kwargs)
-        rec.add(kind="call", name=label, unit=unit, outer=not rec.stack or rec.stack[-1][1] != unit)
+        parent, parent_unit = rec.stack[-1] if rec.stack else ("", "")
+        rec.add(kind="call", name=label, unit=unit, outer=not rec.stack or parent_unit != unit, parent=parent,
+                parent_unit=parent_unit)
         rec.stack.append((label, unit))
         try:
             return fn(*args, **kwargs)
@@ -183,49 +274,6 @@ def wrap_task_functions() -> list[str]:
     return labels
 
 
-def _twice_model():
-    """A block applied twice in one forward: one unit, two uses (its backward runs twice too)."""
-    import torch.nn as nn
-    from fsdp_assignment.support.models import ScaledResidual
-
-    class RunTwice(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Linear(7, 13)
-            self.block = ScaledResidual(13, 17)
-            self.head = nn.Linear(13, 5)
-
-        def forward(self, x):
-            return self.head(self.block(self.block(self.embed(x))))
-
-    return RunTwice()
-
-
-def _build(scenario: str, freeze_embedding: bool = False):
-    """(model, unit modules children first and the root last, a function of the step returning the loss)."""
-    import torch
-    from fsdp_assignment.support.models import GPT, GPTConfig, LoRAConfig, LoRAModel, gpt_batch, gpt_loss
-
-    torch.manual_seed(0)
-    if scenario == "meta":  # built on meta: materialize_meta_module gives it values after sharding
-        cfg = GPTConfig(n_layer=2)
-        with torch.device("meta"):
-            model = GPT(cfg)
-        return model, [*model.blocks, model], lambda step: gpt_loss(model, *gpt_batch(cfg, 2, seed=step))
-    if scenario == "lora":
-        cfg = LoRAConfig(n_layer=2, freeze_embedding=freeze_embedding)
-        model = LoRAModel(cfg)
-        return model, [*model.blocks, model], lambda step: gpt_loss(model, *gpt_batch(cfg, 2, seed=step))
-    if scenario == "reentrant":
-        cfg = GPTConfig(n_layer=2, checkpoint="block", checkpoint_reentrant=True)
-        model = GPT(cfg)
-        return model, [*model.blocks, model], lambda step: gpt_loss(model, *gpt_batch(cfg, 2, seed=step))
-    model = _twice_model()
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 7, generator=g)
-    return model, [model.block, model], lambda step: model(x + step).pow(2).mean()
-
-
 def _failing_task(err: BaseException) -> dict:
     """Where ``err`` came from: the innermost frame in a task file (its file, line and function)."""
     where = {}
@@ -247,24 +295,47 @@ def rank_body(rank: int, world_size: int, scenarios: tuple, hooks: int, prefetch
     out = {}
     log = use_counted_collectives(late=False)  # once per rank: it replaces the gloo group by a counting one
     wrapped = wrap_task_functions()
-    for scenario in scenarios:
-        out[scenario] = _one_scenario(rank, scenario, hooks, prefetch, steps, log, options or {})
-        out[scenario].update(impl=adapters.implementation(), wrapped=len(wrapped))
-        if out[scenario]["end"] != "ok":
-            break
+    tees = _PrintTee(sys.stdout, "stdout"), _PrintTee(sys.stderr, "stderr")
+    sys.stdout, sys.stderr = tees
+    try:
+        for scenario in scenarios:
+            try:
+                out[scenario] = _one_scenario(rank, scenario, hooks, prefetch, steps, log, options or {})
+            finally:
+                for tee in tees:
+                    tee.end_line()
+            out[scenario].update(impl=adapters.implementation(), wrapped=len(wrapped))
+            if out[scenario]["end"] != "ok":
+                break
+    finally:  # a print without flush=True reaches the rank's output file (and the harness) all the same
+        sys.stdout, sys.stderr = (tee._inner for tee in tees)
+        for tee in tees:
+            tee.flush()
     return out
 
 
 def _one_scenario(rank: int, scenario: str, hooks: int, prefetch: bool, steps: int, log, options: dict) -> dict:
     import adapters
+    from benchmarks import hook_trace_probes as probes
 
-    rec = Recorder()
+    rec = Recorder(rank)
     log.listener = rec.on_collective
-    out = {"rank": rank, "events": rec.events, "end": "ok"}
+    out = {"rank": rank, "events": rec.events, "end": "ok", "probes": {},
+           "mixed_precision": bool(options.get("mixed_precision"))}
     _CURRENT.append(rec)
+
+    def probe(key: str, title: str, fn, *args) -> None:  # a --show-* check: its calls and collectives untraced
+        rec.phase, rec.paused = title, True
+        rec.add(kind="phase", name=f"{title} (its calls and collectives are not traced)", unit="")
+        try:
+            out["probes"][key] = probes.run_probe(fn, *args)
+        finally:
+            rec.paused = False
+
     try:
         model, unit_modules, loss_of = _build(scenario, options.get("freeze_embedding", False))
         rec.name_modules(model)
+        out["sizes"] = rec.sizes
         rec.phase = "shard"
         if hooks == 7:
             policy = None
@@ -280,13 +351,16 @@ def _one_scenario(rank: int, scenario: str, hooks: int, prefetch: bool, steps: i
             from tests.public.common import hand_shard
             root = hand_shard(model, unit_modules, hooks=hooks)
             root.shared.prefetch = prefetch
-        rec._refresh_units()
+        out["flat_params"] = rec.describe_units()
         if scenario == "meta":
             import torch
             rec.phase = "materialize"
             rec.add(kind="phase", name="materialize_meta_module(model, 'cpu')", unit="")
             torch.manual_seed(0)
             adapters.materialize_meta_module(model, "cpu")
+            if options.get("show_rng"):
+                probe("rng", "--show-rng", probes.rng_check, model, _eager_meta_model, 0)
+        watch = probes.DtypeWatch(model, rec.units, rec.param_names) if options.get("show_dtypes") else None
         for step in range(steps):
             rec.phase = f"step {step + 1} forward"
             rec.add(kind="phase", name=f"step {step + 1}: forward", unit="")
@@ -296,8 +370,14 @@ def _one_scenario(rank: int, scenario: str, hooks: int, prefetch: bool, steps: i
             loss.backward()
             rec.phase = f"step {step + 1} after"
             rec.add(kind="phase", name=f"step {step + 1}: loss.backward() returned", unit="")
+            if watch is not None:
+                watch.after_backward()
             for p in model.parameters():
                 p.grad = None
+        if watch is not None:
+            out["probes"]["dtypes"] = {"end": "ok", "units": watch.result()}
+        if options.get("show_state_dict_peaks"):
+            probe("peaks", "--show-state-dict-peaks", probes.state_dict_peaks, model, loss_of, steps)
     except NotImplementedError as err:
         out.update(end="not implemented", error=str(err)[:400], where=_failing_task(err))
     except Exception as err:  # a debugging tool: show the trace up to the failure, and the failure
@@ -312,126 +392,41 @@ def _one_scenario(rank: int, scenario: str, hooks: int, prefetch: bool, steps: i
 
 
 def trace(scenarios, hooks: int = 7, prefetch: bool = False, steps: int = 1, world_size: int = 2,
-          **options) -> dict:
+          rank_output: list | None = None, **options) -> dict:
     """Run ``scenarios`` on ``world_size`` ranks (the tests' ``run_ranks``): scenario -> the ranks' results.
-    ``options``: freeze_embedding (the LoRA model's), mixed_precision (bf16 parameters, fp32 reduction)."""
+    ``options``: freeze_embedding (the LoRA model's), mixed_precision (bf16 parameters, fp32 reduction),
+    show_rng, show_state_dict_peaks, show_dtypes (the --show-* checks). ``rank_output``: a list that receives
+    what the ranks wrote (each line labelled [rank r] by the harness) instead of this process's stdout, even
+    when a rank fails."""
+    import contextlib
+    import io
+
     from benchmarks import hook_trace  # the rank imports the body by module name, never from __main__
     from tests.harness import run_ranks
 
-    per_rank = run_ranks(hook_trace.rank_body, world_size, tuple(scenarios), hooks, prefetch, steps, options,
-                         timeout=180)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured) if rank_output is not None else contextlib.nullcontext():
+            per_rank = run_ranks(hook_trace.rank_body, world_size, tuple(scenarios), hooks, prefetch, steps,
+                                 options, timeout=180)
+    finally:
+        if rank_output is not None:
+            rank_output.append(captured.getvalue())
     return {s: [r[s] for r in per_rank] for s in scenarios if all(s in r for r in per_rank)}
 
 
-# ---- in the parent: reading the events --------------------------------------------------------------------
-def _short(label: str) -> str:
-    """"task4_backward.BackwardHooks.pre_backward" -> "T4 BackwardHooks.pre_backward"."""
-    mod, _, rest = label.partition(".")
-    return f"T{mod[4]} {rest}" if mod.startswith("task") and mod[4:5].isdigit() else label
-
-
-def line_of(e: dict) -> str:
-    indent = "  " * e["depth"]
-    unit = f"[{e['unit']}]" if e["unit"] else "[-]"
-    if e["kind"] == "phase":
-        return f"== {e['name']} =="
-    if e["kind"] == "collective":
-        extra = f"{e['numel']} x {e['dtype']}" + (", async" if e["async_op"] else "")
-        return f"{indent}>> {e['name']:<14} {unit:<12} ({extra})"
-    if e["kind"] == "raise":
-        return f"{indent}!! {_short(e['name'])} raised {e['error']}"
-    return f"{indent}{_short(e['name'])} {unit}"
-
-
-def _collapsed(lines: list[str]) -> list[str]:
-    """Runs of the same line become one line with "(x N)"."""
-    out: list[tuple[str, int]] = []
-    for line in lines:
-        if out and out[-1][0] == line:
-            out[-1] = (line, out[-1][1] + 1)
-        else:
-            out.append((line, 1))
-    return [line if n == 1 else f"{line}  (x {n})" for line, n in out]
-
-
-def timeline(events: list[dict], depth: int = 99, setup: bool = False) -> list[str]:
-    """The text timeline: calls up to ``depth`` levels deep (collectives, failures and phases always), the
-    sharding phase summed up in one line unless ``setup``."""
-    lines, skipped = [], [0, 0]
-    for e in events:
-        if e["phase"] == "shard" and not setup:
-            skipped[0 if e["kind"] == "call" else 1] += e["kind"] in ("call", "collective")
-            continue
-        if e["kind"] == "call" and e["depth"] >= depth:
-            continue
-        lines.append(line_of(e))
-    head = [f"(sharding the model: {skipped[0]} call(s) of your functions, {skipped[1]} collective(s); --setup "
-            "shows them)"] if sum(skipped) else []
-    return head + _collapsed(lines)
-
-
-def per_unit(events: list[dict]) -> dict[str, list[str]]:
-    """Per unit, phase by phase: the calls of your functions that start work on that unit (a call whose caller
-    works on another unit, or none: your hooks, as autograd and the module call them), and its collectives."""
-    out: dict[str, dict[str, list[str]]] = {}
-    for e in events:
-        if e["kind"] not in ("call", "collective") or not e["unit"] or e["unit"] == "-":
-            continue
-        if e["kind"] == "call" and not e.get("outer"):
-            continue
-        name = e["name"] if e["kind"] == "collective" else _short(e["name"])
-        out.setdefault(e["unit"], {}).setdefault(e["phase"], []).append(name)
-    return {unit: [f"{phase}: " + " -> ".join(_collapsed(seq)) for phase, seq in phases.items()]
-            for unit, phases in out.items()}
-
-
-def _collectives(events):
-    return [(e["name"], e["numel"]) for e in events if e["kind"] == "collective"]
-
-
-def report(scenario: str, results: list[dict], depth: int = 99, setup: bool = False) -> list[str]:
-    lines = [f"### scenario {scenario}  (implementation: {results[0].get('impl')}, W = {len(results)})", ""]
-    base = results[0]
-    lines += ["rank 0:"] + ["  " + x for x in timeline(base["events"], depth, setup)]
-    for r in results[1:]:
-        if _collectives(r["events"]) == _collectives(base["events"]) and \
-                [line_of(e) for e in r["events"] if e["kind"] == "call"] == \
-                [line_of(e) for e in base["events"] if e["kind"] == "call"]:
-            lines.append(f"rank {r['rank']}: the same calls and collectives as rank 0")
-        else:
-            lines += [f"rank {r['rank']} (DIFFERS from rank 0: ranks must issue the same collectives in the same "
-                      "order):"] + ["  " + x for x in timeline(r["events"], depth, setup)]
-    lines += ["", "per unit (rank 0): the calls that start work on the unit, and its collectives, phase by phase:"]
-    for unit, seq in per_unit(base["events"]).items():
-        lines.append(f"  {unit}:")
-        lines += [f"    {x}" for x in seq]
-    for r in results:
-        if r["end"] == "not implemented":
-            task = ""
-            where = r.get("where") or {}
-            if where.get("file", "").startswith("fsdp_assignment/task"):
-                task = f"Task {where['file'][len('fsdp_assignment/task')]}"
-            lines += ["", f"NOT IMPLEMENTED YET (rank {r['rank']}): {task or 'a task'} raised NotImplementedError"
-                      + (f" in {where['function']}() ({where['file']}:{where['line']})" if where else "")
-                      + f": {r['error']}",
-                      "The trace above stops there. Implement it (or trace an earlier task's life cycle: "
-                      "--hooks 4 needs Tasks 2-4, fully_shard needs Task 7)."]
-            break
-        if r["end"] == "error":
-            lines += ["", f"FAILED (rank {r['rank']}): {r['error']}", r.get("traceback", "")]
-            break
-    return lines
-
-
-def status(results: list[dict]) -> int:
-    ends = {r["end"] for r in results}
-    return 0 if ends == {"ok"} else 2 if "not implemented" in ends else 1
+# ---- in the parent: the report is hook_trace_report.py's; main prints it ------------------------------
+RANK_OUTPUT_HEAD = ("what the ranks wrote to stdout and stderr (your prints), each line labelled [rank r]; the "
+                    "timelines below show rank 0's where they happened:")
+SHOW_SCENARIO = {"show_rng": "meta", "show_state_dict_peaks": "meta", "show_dtypes": "lora"}  # with no --scenario
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--scenario", choices=(*SCENARIOS, "all"), default="all")
+    p.add_argument("--scenario", choices=(*SCENARIOS, "all"), default=None,
+                   help="default: all four; with a --show-* option and no --scenario, the scenario it needs "
+                        "(--show-rng and --show-state-dict-peaks: meta; --show-dtypes: lora)")
     p.add_argument("--hooks", type=int, choices=(4, 6, 7), default=7,
                    help="7: adapters.fully_shard on each unit (default); 4 or 6: units made by hand "
                         "(tests/public/common.py's hand_shard) with Task 4's or Task 6's life cycle")
@@ -440,12 +435,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="lora: freeze the embedding too, so the first block's input needs no gradient")
     p.add_argument("--mixed-precision", action="store_true",
                    help="fully_shard with MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)")
+    p.add_argument("--show-rng", action="store_true",
+                   help="meta: after materialize_meta_module, each module's parameters and buffers against eager "
+                        "init under the same seed (torch.equal per tensor, a table)")
+    p.add_argument("--show-state-dict-peaks", action="store_true",
+                   help="after one AdamW step, per rank the peak bytes allocated while building the full and the "
+                        "sharded state dicts of the model and the optimizer (LiveStorageTracker)")
+    p.add_argument("--show-dtypes", action="store_true",
+                   help="per unit, the dtypes gathered, of the parameters and input forward sees, of their "
+                        "gradients, reduce-scattered and of the shard's gradient (use with --mixed-precision)")
     p.add_argument("--steps", type=int, default=1, help="training steps per scenario (default 1)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--depth", type=int, default=4,
-                   help="show calls up to this many levels deep (default 4; collectives are always shown)")
+                   help="show calls up to this many levels deep (default 4; collectives and prints are always shown)")
     p.add_argument("--setup", action="store_true", help="show the calls made while sharding the model too")
-    p.add_argument("--json", action="store_true", help="print the events as JSON instead of the text timeline")
+    p.add_argument("--json", action="store_true", help="print the events as JSON instead of the text timeline "
+                   "(the ranks' output then goes to stderr)")
     args = p.parse_args(argv)
     if args.prefetch and args.hooks == 4:
         p.error("--prefetch needs Task 6's life cycle: use --hooks 6 or 7")
@@ -453,16 +458,29 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--mixed-precision is a fully_shard keyword: use --hooks 7")
     if args.steps < 1 or args.world_size < 1:
         p.error("--steps and --world-size must be at least 1")
+    shows = [k for k in SHOW_SCENARIO if getattr(args, k)]
+    if args.scenario is None and shows:
+        scenarios = tuple(s for s in SCENARIOS if s in {SHOW_SCENARIO[k] for k in shows})
+    else:
+        scenarios = SCENARIOS if args.scenario in (None, "all") else (args.scenario,)
+    if args.show_rng and "meta" not in scenarios:
+        p.error("--show-rng checks materialize_meta_module: it needs the meta scenario (--scenario meta)")
 
     from tests.harness import RankFailure
 
-    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    sink = sys.stderr if args.json else sys.stdout
+    output: list[str] = []
     try:
-        found = trace(scenarios, args.hooks, args.prefetch, args.steps, args.world_size,
-                      freeze_embedding=args.freeze_embedding, mixed_precision=args.mixed_precision)
+        found = trace(scenarios, args.hooks, args.prefetch, args.steps, args.world_size, rank_output=output,
+                      freeze_embedding=args.freeze_embedding, mixed_precision=args.mixed_precision,
+                      **{k: True for k in shows})
     except RankFailure as err:
+        if "".join(output):
+            print(RANK_OUTPUT_HEAD + "\n" + "".join(output), file=sys.stderr)
         print(f"hook_trace: a rank failed outside the traced step:\n{err}", file=sys.stderr)
         return 1
+    if "".join(output):
+        print(RANK_OUTPUT_HEAD + "\n" + "".join(output), file=sink)
     if args.json:
         print(json.dumps(found, indent=1))
     else:

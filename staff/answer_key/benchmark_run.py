@@ -41,7 +41,9 @@ KEPT = ("memory", "comm", "step", "scaling")
 # run_all.py only routes flags and chains the four scripts: what it computes is theirs (and helper fixes to its
 # --help must not make the committed results stale)
 NOT_FINGERPRINTED = ("benchmarks/run_all.py",
-                     "benchmarks/hook_trace.py")  # the students' tracer: it makes none of the results
+                     # the students' tracer and its rooms: they make none of the results
+                     "benchmarks/hook_trace.py", "benchmarks/hook_trace_probes.py", "benchmarks/hook_trace_report.py",
+                     "benchmarks/hook_trace_scenarios.py")
 WORLD_SIZES = (1, 2, 4)  # what the defaults run (memory and scaling; comm and step need W >= 2)
 
 
