@@ -557,3 +557,35 @@ def test_mixed_precision_with_reduce_dtype_alone():
         assert got["gathers"] == ["torch.float32"] and got["grads"] == ["torch.float32"], (
             f"rank {rank}: with reduce_dtype alone, parameters are gathered in {got['gathers']} and the shards' "
             f"gradients are {got['grads']}; both stay in the parameters' dtype (fp32)")
+
+
+# ---- Gradients accumulated without sync are summed in reduce_dtype -------------------------------------------------
+class _Weighted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def _accumulate_in_reduce_dtype(rank, world_size):
+    model = _Weighted()
+    adapters.fully_shard(model, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                     reduce_dtype=torch.float32))
+    # The gradient of w is x: 1 in the first micro-batch, 2**-9 in the second. Both are exact in bf16, their sum is
+    # not (bf16 keeps 8 bits: 1 + 2**-9 rounds to 1); in fp32 it is exact.
+    for i, x in enumerate((torch.ones(4), torch.full((4,), 2.0 ** -9))):
+        adapters.set_requires_gradient_sync(model, i == 1)
+        model(x).float().backward()
+    return {"grad": torch.cat([p.grad.detach().float().reshape(-1) for p in model.parameters()])}
+
+
+def test_gradients_accumulated_without_sync_are_summed_in_reduce_dtype():
+    expected = 1 + 2.0 ** -9
+    for rank, got in enumerate(run_ranks(_accumulate_in_reduce_dtype, 2)):
+        assert torch.equal(got["grad"], torch.full_like(got["grad"], expected)), (
+            f"rank {rank}: two micro-batches (the first without gradient sync) with param_dtype=bf16, "
+            f"reduce_dtype=fp32, whose gradients are 1 and 2**-9, left the shard gradient {got['grad'].tolist()}; "
+            f"expected {expected} (their sum in fp32; in bf16 it rounds to 1.0): gradients are reduced and summed in "
+            f"reduce_dtype, the micro-batches kept without sync included")
