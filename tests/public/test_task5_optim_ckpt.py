@@ -324,7 +324,7 @@ def test_loaded_optimizer_state_has_zero_padding():
                 f"rank {rank}: right after loading a {kind} optimizer state dict, the padding of the per-element "
                 f"state is not zero (where: its first padding values): {bad}. The padding stays zero, in the "
                 f"optimizer state too (module docstring): AdamW would turn nonzero padding state into updates of "
-                f"the shard's padding (a tensor from torch.empty_like holds whatever that memory held)")
+                f"the shard's padding (memory that is allocated but never written holds whatever it held before)")
 
 
 # ---- The full model state dict alone: on rank 0 only, also while it is made (the kernel's peaks) -----------------
