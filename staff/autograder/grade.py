@@ -8,9 +8,10 @@ Run it as above, ``python -m staff.autograder.grade``, from the root of the tree
 way (it is a module of the package ``staff.autograder`` and imports its parts as package modules, so running the
 file itself, ``python staff/autograder/grade.py``, fails).
 
-Options: ``--budget S`` (a test is started only while what is left of S seconds is at least its whole time limit;
-else it is "not run", and said so; default: --timeout minus 60 s, or none), ``--timeout S`` (the whole pytest run
-is killed after S seconds). Their defaults: Gradescope mode (``--autograder-root``, run_autograder) keeps the
+Options: ``--budget S`` (a test is started only while what is left of S seconds is at least what it needs on a busy
+machine, else it is "not run", and said so; with less left than its time limit it runs with what is left, and if it
+runs out of that it is "cut for time", never a hang; default: --timeout minus 60 s, or none), ``--timeout S`` (the
+whole pytest run is killed after S seconds). Their defaults: Gradescope mode (``--autograder-root``, run_autograder) keeps the
 platform's clock, 540 s and a budget of 480 s; a TA's run (``--zip``, or this tree) grades everything, with no
 budget and, as a net for a wedged grader only, a timeout of every graded test's limit and backstop added up (hours).
 ``--rank-user USER`` (run rank bodies as this
@@ -26,7 +27,7 @@ holds every graded test.
 
 ``--zip Z`` grades one student's zip (as ``make_submission.sh`` makes it) the way Gradescope would: it lays out a
 fresh ``R`` in a temporary folder (``R/source``: this tree's bundle, ``build_bundle.stage``; ``R/submission``: the
-zip), grades it in Gradescope mode, writes results.json (``--results``, default ./results.json) and removes ``R``
+zip), grades it as Gradescope mode does (but on a TA's clock: no budget unless given), writes results.json (``--results``, default ./results.json) and removes ``R``
 (``--keep`` keeps it). Run it as root to have rank bodies run as the rank user (``sudo``; else as you). As root,
 it never runs the submission's ranks as root: when the rank user cannot run this Python (a pyenv under a 0700
 /root), it names the path it cannot reach and how to fix it, and stops, unless ``--allow-root-ranks``. It prints
