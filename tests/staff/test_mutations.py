@@ -68,8 +68,8 @@ def ci_mutants() -> list:
     """The mutants CI grades: the first mutant of each hidden or bonus target (every such test shown to catch a
     real bug), every mutant that seeds a bug an issue named, and every mutant added for issue 25 (m50 on: the
     switched-off features and the paths nobody graded; issue 37's m80-m82, each killed by a public test it added:
-    43-147 s each at load 7-14). 60 of 104, about 10 of CI's minutes instead of 20; the others differ from these only in where
-    the edit sits. `python -m staff.grader_selftest.mutations` grades all of them (README, "Staff commands outside
+    43-147 s each at load 7-14; issue 41's m83-m85, 8-15 s each at load 5-10). 63 of 107, about 10 of CI's
+    minutes instead of 20; the others differ from these only in where the edit sits. `python -m staff.grader_selftest.mutations` grades all of them (README, "Staff commands outside
     CI")."""
     first_of_target: dict[str, str] = {}
     for m in mutations.MUTANTS:
@@ -201,3 +201,26 @@ def test_run_mutant_records_who_killed_it(monkeypatch, tmp_path):
     monkeypatch.setattr(mutations.mutant_grading, "grade_mutant", fake_grade({"calling"}))
     o = mutations.run_mutant(m27, tmp_path, public=False)  # CI's runs: the whole suite's verdict only
     assert (o.killed, o.killer, o.public_killed, graded) == (True, "tests/x.py::calling_killer", False, ["calling"])
+
+
+def test_public_only_grades_the_public_runs_alone(monkeypatch, tmp_path):
+    """``--public-only`` (issue 41): the public kill rate without the target's or the hidden tests' runs."""
+    from staff.grader_selftest.mutant_grading import Verdict
+    graded = []
+
+    def fake_grade(kills):
+        def grade(files, workdir, name, args, *, root, public_only):
+            run = name.split("-", 1)[1]
+            graded.append((run, public_only))
+            return Verdict(run in kills, f"tests/x.py::{run}_killer" if run in kills else "", 1.0, 1)
+        return grade
+
+    m27 = next(m for m in mutations.MUTANTS if m.id == "m27")
+    monkeypatch.setattr(mutations.mutant_grading, "grade_mutant", fake_grade({"target", "hidden"}))
+    o = mutations.run_mutant(m27, tmp_path, public_only=True)  # only the target and hidden runs would kill it
+    assert graded == [("public-calling", True), ("public", True)] and not o.killed and not o.public_killed
+    graded.clear()
+    monkeypatch.setattr(mutations.mutant_grading, "grade_mutant", fake_grade({"public"}))
+    o = mutations.run_mutant(m27, tmp_path, public_only=True)
+    assert graded == [("public-calling", True), ("public", True)]
+    assert (o.killed, o.public_killer) == (True, "tests/x.py::public_killer")
