@@ -367,7 +367,7 @@ def test_activation_checkpointing_matches_single_process():
 # root's output never gets a gradient, so nothing of the root's runs in backward before the end, and yet every rule
 # holds when loss.backward() returns.
 def _block_output_loss(rank, world_size):
-    cfg = GPTConfig()
+    cfg = WIDE_CFG
     log = use_counted_collectives(late=True)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -389,10 +389,10 @@ def _block_output_loss(rank, world_size):
 def test_loss_from_a_block_output_the_root_does_not_return():
     world_size = 2
     # Memory only (no byte count is decided here): the units a loss that skips some of them gathers are each design's.
-    witness = witness_for(lambda: GPT(GPTConfig()), GPT_UNITS, world_size)
+    witness = witness_for(lambda: GPT(WIDE_CFG), GPT_UNITS, world_size, marks=1, held_copies=2)
     witness.sent_bytes = None
     results = run_ranks(_block_output_loss, world_size, witness=witness)
-    cfg = GPTConfig()
+    cfg = WIDE_CFG
     torch.manual_seed(0)
     model = GPT(cfg)
     seen = []
