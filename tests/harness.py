@@ -98,7 +98,7 @@ from tests.harness_rank import _find_body, _rank_main, _run_body, _sendable  # n
 from tests.harness_report import (MAX_MESSAGE_BYTES, RankFailure, _decode_message, _read_report,  # noqa: F401
                                   show_output)
 from tests.harness_sockets import SocketTable
-from tests.harness_start import _CTX, _body_reference, _collect, _ensure_forkserver, _Rank
+from tests.harness_start import _CTX, StoreWatch, _body_reference, _collect, _ensure_forkserver, _Rank
 from tests.harness_witness import (WITNESS_SETUP_SENT_BYTES, Witness, _KernelSamples,  # noqa: F401
                                    _read_status, _read_wchar)
 from tests.rank_audit import AuditChannel, publish_run
@@ -211,8 +211,14 @@ def run_ranks(body, world_size: int, *args, backend: str = "gloo", timeout: floa
                 ranks[-1].kernel = _KernelSamples(proc.pid, cgroup or ProcShmem(proc.pid, _own_uid(run_as)),
                                                   sockets)
             os.set_blocking(conn_r.fileno(), False)  # read in pieces, never waiting on a rank (_read_report)
-        failure = _collect(ranks, deadline=time.monotonic() + timeout, timeout=timeout,
-                           memory_limit_bytes=memory_limit_bytes)
+        store = StoreWatch(os.path.join(rank_dir, "store"))
+        try:
+            failure = _collect(ranks, deadline=time.monotonic() + timeout, timeout=timeout,
+                               memory_limit_bytes=memory_limit_bytes, store=store)
+            store.sample()
+        finally:
+            store.close()
+        failure = failure or store.failure()
         if watched:
             for r in ranks:  # a failed run is read to its end too: every rank still alive, once more, before the kill
                 if not r.kernel.final:

@@ -16,6 +16,7 @@ from tests.harness_report import RankFailure, _ended, _explain_failures, _explai
 from tests.harness_witness import WITNESS_SAMPLE_S
 
 GRACE_AFTER_FAILURE_S = 0.5  # after a first failure, how long other ranks get to report theirs before the kill
+STORE_BOUND_BYTES = 1 << 20  # the run's FileStore: 64 process groups on 4 ranks left it at 54,620 bytes (StoreWatch)
 STOPPED_POLL_S = 1.0  # how often the parent looks for stopped ranks while it waits
 STOPPED_GRACE_S = 2.0  # a rank stopped this long is a failure (a stop the body resumes itself is fine)
 
@@ -86,8 +87,45 @@ def _body_reference(body) -> dict:
     return dict(module=module, qualname=qualname, filename=filename)
 
 
+class StoreWatch:
+    """The size of the run's FileStore file, the most the parent saw. The store is the one file every rank of a
+    run shares (the process group's rendezvous: each group's addresses and barriers, a few KiB), and it only grows
+    (every ``set`` appends), so its size bounds what passed through it. Data moved between ranks with
+    ``store.set``/``get`` would pass no socket the witness counts: past STORE_BOUND_BYTES the run fails."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.sizes: dict[int, int] = {}  # inode -> the most seen: a store unlinked and made anew counts both files
+        # Held open, so that the file the run started with is read even if a rank unlinks it.
+        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+    @property
+    def most(self) -> int:
+        return sum(self.sizes.values())
+
+    def sample(self) -> None:
+        for read in (lambda: os.fstat(self.fd), lambda: os.stat(self.path, follow_symlinks=False)):
+            try:
+                st = read()
+            except OSError:
+                continue  # removed by its last user at the end of the run: its size was read before
+            self.sizes[st.st_ino] = max(self.sizes.get(st.st_ino, 0), st.st_size)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def failure(self) -> "RankFailure | None":
+        if self.most <= STORE_BOUND_BYTES:
+            return None
+        return RankFailure(
+            f"the process group's store (the file the ranks rendezvous through) grew to {self.most} bytes, more "
+            f"than the {STORE_BOUND_BYTES} that setting up every process group of a run needs: data passed "
+            f"between ranks through the store instead of through collectives. Move data between ranks only with "
+            f"torch.distributed's collectives.", kind="store", rank=None)
+
+
 def _collect(ranks: list[_Rank], *, deadline: float, timeout: float,
-             memory_limit_bytes: int | None) -> RankFailure | None:
+             memory_limit_bytes: int | None, store: StoreWatch | None = None) -> RankFailure | None:
     """Wait for every rank's message or death; stop early after a failure. Returns the failure, if any."""
     give_up_at = deadline
     failures: list[_Rank] = []
@@ -103,6 +141,8 @@ def _collect(ranks: list[_Rank], *, deadline: float, timeout: float,
         ready = set(mp.connection.wait(waitables, timeout=min(give_up_at - now, poll)))
         for r in witnessed:
             r.kernel.sample()
+        if store is not None:
+            store.sample()
         for r in running:
             # A report is read before a death is believed: a rank exits right after sending.
             if r.conn in ready:
