@@ -559,7 +559,7 @@ def test_mixed_precision_with_reduce_dtype_alone():
             f"gradients are {got['grads']}; both stay in the parameters' dtype (fp32)")
 
 
-# ---- Gradients accumulated without sync are summed in reduce_dtype -------------------------------------------------
+# ---- Gradients accumulated without sync are summed in reduce_dtype, and only until the synced backward --------
 class _Weighted(nn.Module):
     def __init__(self):
         super().__init__()
@@ -578,7 +578,11 @@ def _accumulate_in_reduce_dtype(rank, world_size):
     for i, x in enumerate((torch.ones(4), torch.full((4,), 2.0 ** -9))):
         adapters.set_requires_gradient_sync(model, i == 1)
         model(x).float().backward()
-    return {"grad": torch.cat([p.grad.detach().float().reshape(-1) for p in model.parameters()])}
+    grad = torch.cat([p.grad.detach().float().reshape(-1) for p in model.parameters()])
+    for p in model.parameters():
+        p.grad = None  # the next step: one synced micro-batch, whose gradient is 0.5 (nothing left from the last)
+    model(torch.full((4,), 0.5)).float().backward()
+    return {"grad": grad, "next": torch.cat([p.grad.detach().float().reshape(-1) for p in model.parameters()])}
 
 
 def test_gradients_accumulated_without_sync_are_summed_in_reduce_dtype():
@@ -589,3 +593,7 @@ def test_gradients_accumulated_without_sync_are_summed_in_reduce_dtype():
             f"reduce_dtype=fp32, whose gradients are 1 and 2**-9, left the shard gradient {got['grad'].tolist()}; "
             f"expected {expected} (their sum in fp32; in bf16 it rounds to 1.0): gradients are reduced and summed in "
             f"reduce_dtype, the micro-batches kept without sync included")
+        assert torch.equal(got["next"], torch.full_like(got["next"], 0.5)), (
+            f"rank {rank}: after that synced backward and zeroing the gradients, one more synced micro-batch "
+            f"(gradient 0.5) left {got['next'].tolist()}: the synced backward reduces the sum of the micro-batches "
+            f"since the last synced one; nothing of an earlier step may be added again")
