@@ -199,7 +199,7 @@ def time_left(summary: dict | None, elapsed: float) -> float | None:
 
 
 def left_words(seconds: float | None) -> str:
-    if seconds is None:
+    if seconds is None or seconds < 1:  # (none finished yet; or nothing left to run)
         return ""
     return f", about {seconds:.0f} s left" if seconds < 120 else f", about {seconds / 60:.0f} min left"
 
