@@ -29,7 +29,7 @@ corrupted at random; tests/public/invariants.py checks it).
 Whatever a late collective reads must stay alive until its ``wait()``: on a GPU the collective reads its input
 later, so an input freed (or its storage resized to 0) before the wait is a use-after-free that corrupts memory at
 random. The handles here keep what gloo's own handles keep (an all-gather's and an all-reduce's tensors) and no
-more: gloo's ``reduce_scatter_tensor(async_op=True)`` keeps no reference to its input, and neither does this one.
+more: gloo's ``reduce_scatter_tensor(async_op=True)`` does not hold its input, and neither does this one.
 ``log.freed_before_wait()`` lists the late collectives whose input was freed before their wait.
 
 Only gloo is wrapped (the autograder's backend). Under NCCL the default group is left alone and
@@ -129,8 +129,8 @@ class _LateWork(dist._Work):
         super().__init__()
         self._inner, self._finish, self._done, self._log = inner, finish, False, log
         self._lock = threading.Lock()
-        # What the collective reads, watched without a reference (StorageWeakRef), with the bytes it needs; and
-        # what the handle holds on purpose (``keep``: what gloo's own handle for this kind holds).
+        # What the collective reads, watched by a weak handle (StorageWeakRef: it keeps nothing alive), with the
+        # bytes it needs; and what the handle holds on purpose (``keep``: what gloo's own handle of this kind holds).
         self._reads = [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()) for t in reads]
         self._keep = list(keep)
         with log._lock:
@@ -281,7 +281,7 @@ class CountedProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts):
         self._record("reduce_scatter", input, opts, output)
         src = self._snapshot(input) if self.late else input
-        # gloo's handle keeps no reference to a reduce-scatter's input: the caller keeps it alive until wait()
+        # gloo's handle does not hold a reduce-scatter's input: the caller keeps it alive until wait()
         return self._late([output], lambda outs: self._reduce_scatter_wire(outs[0], src, opts), reads=[input])
 
     _reduce_scatter_base = reduce_scatter_single

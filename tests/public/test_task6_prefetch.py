@@ -311,11 +311,11 @@ def test_what_an_async_collective_reads_stays_alive_until_its_wait():
         freed = [(c["kind"], c["numel"], c["how"]) for c in got["freed"]]
         assert not freed, (
             f"rank {rank}: {len(freed)} asynchronous collectives whose input was gone before their wait() (kind, "
-            f"elements per rank, what happened; the first ones): {freed[:3]}. On a GPU a collective reads its input later, at any moment before wait() "
-            f"returns; memory freed before then is reused, and it reads garbage. Keep a reference of your own to "
-            f"whatever an asynchronous collective reads (a reduce-scatter: the padded gradient you pass it) until "
-            f"you wait() on its handle: gloo's reduce_scatter_tensor handle keeps none (asynchronous collectives "
-            f"issued here: {got['async']})")
+            f"elements per rank, what happened; the first ones): {freed[:3]}. On a GPU a collective reads its input "
+            f"later, at any moment before wait() returns; memory freed before then is reused, and it reads garbage. "
+            f"Hold on to whatever an asynchronous collective reads (a reduce-scatter: the padded gradient you pass "
+            f"it) until you wait() on its handle: gloo's reduce_scatter_tensor handle keeps none (asynchronous "
+            f"collectives issued here: {got['async']})")
 
 
 # ---- After an order change, the second forward prefetches by the new order ---------------------------------------
