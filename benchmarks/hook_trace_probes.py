@@ -50,7 +50,7 @@ def rng_check(model, make_eager, seed: int = 0) -> dict:
         eager = make_eager()
     finally:
         torch.random.set_rng_state(state)
-    rows = []
+    rows, first_name = [], {}  # id(eager tensor) -> its first name: a tied weight is listed under each module
     for path, module in eager.named_modules():
         owned = [("parameter", n, t) for n, t in module.named_parameters(recurse=False)] + \
                 [("buffer", n, t) for n, t in module.named_buffers(recurse=False)]
@@ -68,6 +68,9 @@ def rng_check(model, make_eager, seed: int = 0) -> dict:
                 row["equal"] = bool(torch.equal(got, ref.detach()))
                 if not row["equal"]:
                     row["note"] = f"max |diff| {float((got.double() - ref.detach().double()).abs().max()):.3g}"
+            if id(ref) in first_name:
+                row["note"] = (row.get("note", "") + "; " if row.get("note") else "") + f"tied to {first_name[id(ref)]}"
+            first_name.setdefault(id(ref), name)
             rows.append(row)
     return {"seed": seed, "rows": rows}
 
@@ -77,6 +80,8 @@ def state_dict_peaks(model, loss_of, step: int) -> dict:
     bytes of the storages allocated while your code builds the model's state dict, then the optimizer's (the
     model's dict still held), as ``fsdp_assignment/support/memory.py``'s LiveStorageTracker counts them, over what
     the rank held before (its shards and the optimizer's state, tracked first: a view of them costs nothing)."""
+    import gc
+
     import torch
 
     import adapters
@@ -96,8 +101,10 @@ def state_dict_peaks(model, loss_of, step: int) -> dict:
             base = mem.current_bytes
             mem.reset_peak()
             model_sd = adapters.get_model_state_dict(model, full=full)
+            gc.collect()  # held: what is still referenced, not what a reference cycle keeps until the collector runs
             model_peak, model_held = mem.peak_bytes - base, mem.current_bytes - base
             optim_sd = adapters.get_optimizer_state_dict(model, optimizer, full=full)
+            gc.collect()
             out["full" if full else "sharded"] = {
                 "model_peak": model_peak, "model_held": model_held, "peak": mem.peak_bytes - base,
                 "held": mem.current_bytes - base, "already_held": base}

@@ -60,8 +60,21 @@ def _check_plausible(scenario, results, strict=False):
 
 @pytest.fixture(scope="module")
 def traced():
-    """The four scenarios on the implementation adapters selects (one run of two ranks, a few seconds)."""
-    return hook_trace.trace(hook_trace.SCENARIOS)
+    """The four scenarios on the implementation adapters selects (one run of two ranks, a few seconds), with the
+    --show-rng and --show-state-dict-peaks checks."""
+    return hook_trace.trace(hook_trace.SCENARIOS, show_rng=True, show_state_dict_peaks=True)
+
+
+@pytest.fixture(scope="module")
+def frozen_mixed():
+    """lora with the frozen embedding, under mixed precision, with --show-dtypes (one more run of two ranks)."""
+    return hook_trace.trace(("lora",), freeze_embedding=True, mixed_precision=True, show_dtypes=True)
+
+
+def _stopped_or(results):
+    """Skip with the tool's own message when the implementation is not finished."""
+    if any(r["end"] == "not implemented" for r in results):
+        pytest.skip("\n".join(hook_trace.report("lora", results)[-2:]))
 
 
 def test_trace_shows_each_units_gathers_and_reduce_scatters_in_order(traced):
@@ -86,7 +99,162 @@ def test_ranks_that_differ_are_shown_side_by_side():
     assert "step 1 backward: ALL-GATHER -> REDUCE-SCATTER" in text, text
 
 
+
+def test_show_rng_tabulates_every_module_against_eager_init(traced):
+    """--show-rng (meta): one row per parameter of the eager model, torch.equal each; the table and its summary."""
+    results = traced["meta"]
+    _stopped_or(results)
+    probe = results[0]["probes"]["rng"]
+    if probe["end"] == "not implemented":
+        pytest.skip(probe["error"])
+    assert probe["end"] == "ok", probe
+    eager = hook_trace._eager_meta_model()
+    assert [(r["module"], r["tensor"]) for r in probe["rows"] if r["kind"] == "parameter"] == \
+        [((n.rpartition(".")[0] or "<root>"), n.rpartition(".")[2]) for n, _ in eager.named_parameters(remove_duplicate=False)]
+    text = "\n".join(hook_trace.report("meta", results))
+    assert "--show-rng (rank 0)" in text and "torch.equal" in text and "blocks.1.mlp.c_fc" in text, text[-3000:]
+    assert f"of {len(probe['rows'])} tensors equal" in text and "rank 1:" in text.split("--show-rng")[1]
+    assert "rng" not in (traced["lora"][0].get("probes") or {}), "--show-rng applies to the meta scenario only"
+
+
+def test_rng_check_flags_the_module_that_drew_other_values(monkeypatch):
+    """No ranks: the check itself, on a model that is eager init (seed 0) except one module drawn again: that
+    module's tensors are not equal, every other one is."""
+    import torch
+
+    import adapters
+    from benchmarks import hook_trace_probes as probes
+
+    torch.manual_seed(0)
+    model = hook_trace._eager_meta_model()
+    model.blocks[1].mlp.c_fc.reset_parameters()  # draws other values than eager init did
+    monkeypatch.setattr(adapters, "gather_full_params", lambda m: {n: p.detach() for n, p in m.named_parameters(remove_duplicate=False)})
+    rows = probes.rng_check(model, hook_trace._eager_meta_model, 0)["rows"]
+    assert {r["module"] for r in rows if not r["equal"]} == {"blocks.1.mlp.c_fc"}, rows
+    text = "\n".join(probes._rng_lines([{"rank": 0, "probes": {"rng": {"end": "ok", "seed": 0, "rows": rows}}}]))
+    assert "modules whose values differ from eager init: blocks.1.mlp.c_fc" in text, text
+
+
+def test_show_state_dict_peaks_gives_each_ranks_full_and_sharded_peaks(traced):
+    """--show-state-dict-peaks: per rank, the full and the sharded dicts' peaks (the four numbers the writeup
+    asks for) and the model's size to read them against."""
+    results = traced["meta"]
+    _stopped_or(results)
+    for r in results:
+        probe = r["probes"]["peaks"]
+        if probe["end"] == "not implemented":
+            pytest.skip(probe["error"])
+        assert probe["end"] == "ok", probe
+        assert probe["full"]["peak"] >= probe["full"]["held"] >= 0 and probe["sharded"]["peak"] > 0, probe
+    text = "\n".join(hook_trace.report("meta", results))
+    psi = results[0]["sizes"]["psi"]
+    assert f"Psi = {psi:,} parameters" in text, text[-2000:]
+    rows = [line.split() for line in text.split("--show-state-dict-peaks:")[1].splitlines()
+            if line.split()[:1] in (["0"], ["1"])]
+    assert [(x[0], x[1]) for x in rows] == [("0", "full"), ("0", "sharded"), ("1", "full"), ("1", "sharded")], rows
+
+
+def test_frozen_embedding_shows_in_the_per_unit_summary(traced, frozen_mixed):
+    """Issue 41: the per-unit summary differed only in the full timeline. Now each FlatParameter says what is
+    gathered and what is reduce-scattered: the frozen embedding's is gathered and never reduce-scattered."""
+    plain, frozen = traced["lora"], frozen_mixed["lora"]
+    _stopped_or(plain)
+    _stopped_or(frozen)
+
+    def root_summary(results):
+        text = "\n".join(hook_trace.report("lora", results))
+        return text.split("\n  <root>:\n")[1].split("\n\n")[0]
+
+    assert "frozen" not in root_summary(plain), root_summary(plain)
+    frozen_root = root_summary(frozen)
+    line = next((x for x in frozen_root.splitlines() if "(frozen," in x), None)
+    assert line and "ALL-GATHER 2 x" in line and "REDUCE-SCATTER never" in line, frozen_root
+
+
+def test_show_dtypes_tabulates_each_unit(frozen_mixed):
+    """--show-dtypes under --mixed-precision: a row per unit; the input a block's forward sees is bfloat16 (the
+    policy casts floating inputs) and the reduce-scatter is float32 (reduce_dtype)."""
+    results = frozen_mixed["lora"]
+    _stopped_or(results)
+    text = "\n".join(hook_trace.report("lora", results))
+    table = text.split("--show-dtypes (rank 0, mixed precision)")[1].splitlines()[1:]
+    rows = {x.split()[0]: x.split() for x in table if x.strip()}
+    assert set(UNITS["lora"]) <= set(rows), table
+    header = table[0].split("  ")
+    assert rows["blocks.0"][3] == "bfloat16" and rows["blocks.0"][5] == "float32", (header, rows["blocks.0"])
+
+
+
+def test_json_keeps_stdout_json_and_sends_the_ranks_output_to_stderr(monkeypatch, capsys):
+    """No ranks (trace is replaced): what the ranks wrote goes to stderr under --json, labelled, and stdout is the
+    JSON alone; in text mode it is printed first on stdout, under its heading."""
+    import json
+
+    def fake_trace(scenarios, *args, rank_output=None, **options):
+        rank_output.append("[rank 1] hello from rank 1\n")
+        return {"twice": [{"rank": r, "end": "ok", "impl": "x", "events": []} for r in (0, 1)]}
+
+    monkeypatch.setattr(hook_trace, "trace", fake_trace)
+    assert hook_trace.main(["--scenario", "twice", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["twice"][1]["rank"] == 1 and "[rank 1] hello from rank 1" in err, (out, err)
+    assert hook_trace.main(["--scenario", "twice"]) == 0
+    out, _ = capsys.readouterr()
+    assert out.startswith(hook_trace.RANK_OUTPUT_HEAD + "\n[rank 1] hello from rank 1\n"), out[:500]
+
+
 # staff-only-begin
+def test_staff_dtypes_and_state_dict_peaks_are_exact(traced, frozen_mixed):
+    """The staff implementation: bf16 gathered, in forward and in autograd, fp32 reduced and held; rank 0's full
+    dicts hold the whole model and its AdamW state (12 Psi bytes, plus the step counters), rank 1 keeps nothing,
+    and a sharded pair holds 12 Psi / W."""
+    seen = frozen_mixed["lora"][0]["probes"]["dtypes"]["units"]["blocks.0"]
+    assert seen == {"params": ["bfloat16"], "input": ["bfloat16"], "grads": ["bfloat16"],
+                    "shard_grad": ["float32"]}, seen
+    results = traced["meta"]
+    psi = results[0]["sizes"]["psi"]
+    r0, r1 = (r["probes"]["peaks"] for r in results)
+    assert 12 * psi <= r0["full"]["held"] <= 12 * psi + 1024, r0
+    assert r1["full"]["held"] == 0 and r1["full"]["peak"] > 0, r1
+    for p in (r0, r1):
+        assert 12 * psi // 2 <= p["sharded"]["held"] <= 12 * psi // 2 + 1024, p
+
+
+RANK_PROBE = "HOOK-TRACE-PROBE"
+
+
+def test_a_print_in_a_task_file_shows_in_hook_trace_output(tmp_path):
+    """Issue 41: a print added to the implementation's unshard (in a copy of the tree, never this one's files, and
+    without flush=True) shows in hook_trace.py's output labelled by rank, for both ranks, and in rank 0's timeline
+    where it happened. One run of the tool (about 10 s quiet, 25 s at load 17)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("fsdp_assignment", "tests", "benchmarks"):
+        shutil.copytree(root / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__", "staff", "hidden",
+                                                                                  "results"))
+    for name in ("adapters.py", "pyproject.toml"):
+        shutil.copy2(root / name, tmp_path / name)
+    path = tmp_path / "fsdp_assignment" / "reference" / "task3_forward.py"
+    text = path.read_text()
+    anchor = "def unshard("
+    body = text.index('"""', text.index('"""', text.index(anchor)) + 3) + 3  # after unshard's docstring
+    path.write_text(text[:body] + f"\n    print('{RANK_PROBE}', dist.get_rank())" + text[body:])  # no flush
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "FSDP_"))}
+    run = [sys.executable, "benchmarks/hook_trace.py", "--scenario", "twice"]
+    proc = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] {RANK_PROBE} {rank}" in proc.stdout, proc.stdout[:3000]
+    timeline = proc.stdout.split("rank 0:\n")[1].split("\nper unit")[0]
+    assert f"    [rank 0] {RANK_PROBE} 0" in timeline, timeline  # indented under the call that printed it
+    assert f"[rank 1] {RANK_PROBE} 1" not in timeline  # rank 1's own events are rank 1's (same calls as rank 0)
+
+
 def test_trace_of_the_staff_implementation_is_exact(traced):
     """The staff's implementation (the default here): one reduce-scatter per unit, after its last gather."""
     for scenario, results in traced.items():
