@@ -35,7 +35,9 @@ from tests.harness_sockets import (TCPI_BYTES_ACKED, TCPI_BYTES_RETRANS, TCPI_BY
 from tests.public import test_task3_forward as t3
 from tests.public.common import witness_for
 
-pytestmark = pytest.mark.staff
+# At load 20 on 2 cores the first run's forkserver alone outlasted pytest's default 120 s (the run itself then
+# took 60 s): a generous limit, the load being the point.
+pytestmark = [pytest.mark.staff, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 BUSY_LOOPS = 2  # besides the witnessed runs of the load: processes that only take CPU
 
@@ -47,6 +49,7 @@ def _forward_witness(world_size: int, reshard_after_forward: bool):
                           built=0, shard_copies=1, unsharded=2 if reshard_after_forward else cfg.n_layer + 1,
                           full_grads=0, moved=2 if reshard_after_forward else 1)
     witness.deferred = True  # checked by the test, after the figures are printed
+    witness.peak_bytes = None  # bytes only, here: memory has its own tests (test_witness.py)
     return witness
 
 
@@ -100,11 +103,15 @@ def test_a_reading_counts_the_bytes_written_once():
     assert tcp_written(bytes(info[:TCPI_BYTES_RETRANS]), 100) == 50_601_569 + 100
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_a_correct_forward_passes_its_byte_bound_beside_other_gradings(world_size, load_beside):
-    witness = _forward_witness(world_size, False)
-    run_ranks(t3._forward, world_size, False, witness=witness, timeout=240)
-    print(f"\ncorrect forward, W={world_size}, load {_load_avg()}: {_sent(witness)}")
+# The two runs issue 42 saw fail under load ([False-2]: the staff's implementation, 4.1% over; [True-3]: an
+# independent one, 0.68% over), and W=4.
+@pytest.mark.parametrize("reshard_after_forward, world_size", [(False, 2), (False, 3), (False, 4), (True, 3)])
+def test_a_correct_forward_passes_its_byte_bound_beside_other_gradings(reshard_after_forward, world_size,
+                                                                       load_beside):
+    witness = _forward_witness(world_size, reshard_after_forward)
+    run_ranks(t3._forward, world_size, reshard_after_forward, witness=witness, timeout=240)
+    print(f"\ncorrect forward, W={world_size}, reshard_after_forward={reshard_after_forward}, load {_load_avg()}: "
+          f"{_sent(witness)}")
     witness.check()
 
 
@@ -125,6 +132,7 @@ def test_an_all_reduce_for_a_reduce_scatter_fails_the_byte_bound_beside_other_gr
     from tests.public.test_task7_fully_shard import WITNESS_CFG, witness_bounds
     from tests.staff.test_witness import _graded_body
     witness = witness_bounds(WITNESS_CFG, 2)
+    witness.peak_bytes = None
     run_ranks(_graded_body, 2, "all-reduces", True, witness=witness, timeout=240)
     print(f"\nall-reduce for a reduce-scatter, W=2, load {_load_avg()}: {_sent(witness)}")
     with pytest.raises(RankFailure) as failed:
