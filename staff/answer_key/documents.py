@@ -85,14 +85,17 @@ def render_key(source: str, v: Values, strict: bool = True) -> str:
 
 # What decides the questions that compare no measured interval with a threshold (the key grades them from the
 # student's code, picture or arithmetic).
-NO_THRESHOLD = {"Q1": "no threshold: the student's own design, from their printout of a run (the key's list)",
+NO_THRESHOLD = {"Q1": "no threshold: the student's own design, from their hook_trace.py --scenario meta --show-rng "
+                      "output (the key's list)",
                 "Q2": "no threshold: exact numbers (padding), the same for every student",
                 "Q3": "no threshold: the student's own design, from their hook_trace.py output (the key's list)",
                 "Q4": "no threshold: formulas",
                 "Q5": "no threshold: the student's printout of one clip, and exact bytes (ring formula)",
-                "Q6": "no threshold: exact bytes (optim = 8 S) and the student's measured state-dict peaks",
+                "Q6": "no threshold: exact bytes (optim = 8 S) and the student's state-dict peaks (hook_trace.py "
+                      "--show-state-dict-peaks)",
                 "Q7": "no threshold: the student's own design, from their hook_trace.py --prefetch output",
-                "Q8": "no threshold: dtypes from the student's trace and code, bytes as formulas in Psi and W",
+                "Q8": "no threshold: dtypes from the student's trace (hook_trace.py --mixed-precision --show-dtypes) "
+                      "and code, bytes as formulas in Psi and W",
                 "Q12": "no threshold: read from the student's picture (the key's list)",
                 "Q15": "no threshold: the scenario's arithmetic (the key's numbers)"}
 
