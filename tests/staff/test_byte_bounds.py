@@ -19,7 +19,6 @@ printed (``-s``): the margin, measured.
 
 from __future__ import annotations
 
-import os
 import struct
 import subprocess
 import sys
