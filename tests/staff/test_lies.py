@@ -29,9 +29,9 @@ pytestmark = pytest.mark.staff
 # hidden really-frees tests (wide GPTs built unit by unit) and Task 7's resharding test catch never_free's lie; the
 # byte bounds catch an all-reduce in 17 tests at W >= 2. Not where the model is a few KiB a unit.
 KNOWN_TO_PAY = {
-    "never_free_small": "27 memory tests whose models are 0.1-0.2 MiB a unit (Tasks 3-7, LoRA, the differential "
-                        "test) pass the lie: their witness bounds only gross excess (3.77 vs 34.08, issue 40; was "
-                        "4.01 vs 37.59). Task 4's five one-step tests resolve it now (n_embd 192, read after "
+    "never_free_small": "26 memory tests whose models are 0.1-0.2 MiB a unit (Tasks 3-7, LoRA, the differential "
+                        "test) pass the lie: their witness bounds only gross excess (3.74 vs 32.28, issue 40; was "
+                        "4.01 vs 37.59). Task 4's six one-step GPT tests resolve it now (n_embd 192, read after "
                         "backward); Task 6's prefetch test does not at n_embd 192 (the reference holds 41-57 MiB at "
                         "its marks)",
     "all_reduce": "at W=1 an all-reduce sends nothing (Task 4's and Task 7's [gloo-1]); the tied-weights model and the "
@@ -85,10 +85,11 @@ def test_deleting_a_task_gains_nothing():
 
 def test_a_kernel_witness_failure_is_recorded_for_the_memory_lies():
     """Where a test's model resolves the defect, the kernel fails the lie there (Task 3's forward test and the hidden
-    really-frees tests, when graded; issue 40: Task 4's one-step tests, whose model is wide enough for the reading after
+    really-frees tests, when graded; issue 40: Task 4's six one-step GPT tests, whose model is wide enough for the reading after
     backward (a mark) to see every unit kept)."""
     task4 = [f"test_task4_backward.py::test_gradient_shards_match_single_process[gloo-{w}]" for w in (1, 2, 3, 4)] + [
-        "test_task4_backward.py::test_gradients_without_reshard_after_forward"]
+        "test_task4_backward.py::test_gradients_without_reshard_after_forward",
+        "test_task4_backward.py::test_loss_from_a_block_output_the_root_does_not_return"]
     for lie_id in ("never_free_small", "never_free"):
         entry = _record().get(lie_id)
         if entry is None or "lying_witness_failed" not in entry:
