@@ -1,5 +1,5 @@
 """The Models box's rules, as functions of one fit or one interval (no results folder): the noise rule
-(``resolved``), which alpha and beta a fit lets the student use, beta's ± 2 SE range, N_1/2's range and Q10 (c)'s
+(``resolved``), which alpha and beta a fit lets the student use, beta's ± 2 SE range, N_1/2's range and Q10 (b)'s
 verdict on it, the crossover W*, which rows are the student's own FSDP, and the memory model's dominant term.
 The number formats the key prints (``_mib``, ``_g``) live here too: every values module uses them.
 """
@@ -85,7 +85,8 @@ def n_half_interval(f: dict, w: int, b: int = 4) -> tuple[float, float]:
 
 
 def latency_or_bandwidth(blk: int, interval: tuple[float, float], alpha, beta, w: int) -> str:
-    """Q10(c)'s rule: Psi_blk against N_1/2's range; an unresolved alpha gives only an upper bound, no beta no N_1/2."""
+    """Q10 (b)'s rule: Psi_blk against N_1/2's range (an unresolved alpha gives only an upper bound; no beta, no
+    N_1/2)."""
     lo, hi = interval
     if beta is None:
         return "undecided on this machine: no beta (the fit's slope <= 0), so no N_1/2: say so"

@@ -3,7 +3,7 @@ question the (name, what it is, value as printed) triples NUMBERS.md lists and k
 placeholders take, and the conclusions the questions' rules give on them (what ``--from`` prints).
 
 The numbers themselves are computed by topic: values_memory.py (Q2, Q5, Q6, Q9, Q12, Q13's memory),
-values_timing.py (Q10, Q11, Q13), values_scaling.py (Q14), scenario.py (Q15). The order of the calls below is
+values_timing.py (Q10, Q11, Q13 (b)), values_scaling.py (Q14), scenario.py (Q15). The order of the calls below is
 the order NUMBERS.md prints the questions in.
 """
 
@@ -15,7 +15,7 @@ from staff.answer_key.benchmark_run import load
 from staff.answer_key.scenario import add_scenario
 from staff.answer_key.values_memory import add_norm_bytes, add_padding, add_peaks
 from staff.answer_key.values_scaling import add_crossover
-from staff.answer_key.values_timing import add_collectives, add_fits, add_steps
+from staff.answer_key.values_timing import add_fits, add_steps
 
 
 class Values:
@@ -50,7 +50,6 @@ def values(results: Path) -> Values:
     add_peaks(v, mem, rows)         # Q6, Q9, Q13's memory
     add_fits(v, comm, gpt)          # Q10
     add_steps(v, step)              # Q11, Q13 (b)
-    add_collectives(v, comm, gpt)   # Q13 (a, c)
     add_crossover(v, scaling, comm, gpt)  # Q14
     add_scenario(v)                 # Q15
     return v

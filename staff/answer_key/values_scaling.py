@@ -1,5 +1,7 @@
 """The key's scaling numbers (Q14): weak-scaling efficiency, the crossover W* with its range over the W = 2 fit's
-± 2 SE (c), and the efficiency the model predicts at W = 2 against the measured one (d).
+± 2 SE, and writeup v5's (b): W = 2 against W*'s range, and the efficiency the model predicts at W = 2 against the
+measured one. (The placeholders keep their v4 names, q14_c_conclusion and q14_d_conclusion: key_source.md quotes
+them; both conclusions are part (b).)
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ import math
 
 from staff.answer_key.rules import _g, beta_range, crossover_w, fit_of, fit_usable, resolved
 
-# Q14 (d)'s one name for a comparison these results cannot decide (no beta, no W*, or a model range open down to
+# Q14 (b)'s one name for a comparison these results cannot decide (no beta, no W*, or a model range open down to
 # 0): the Models box's name for what a machine's fit cannot answer (issue 41: the tool used two names for it)
 UNDECIDED = "undecided on this machine"
 HALF = (f"say so: full marks; an answer that concludes they agree or do not agree without saying the comparison is "
@@ -16,28 +18,28 @@ HALF = (f"say so: full marks; an answer that concludes they agree or do not agre
 
 
 def efficiency_verdict(m: dict, point: float, b_lo: float, e_lo: float, e_hi: float) -> str:
-    """Q14 (d): the model's efficiency at W = 2 (perfect overlap, over the fit's ± 2 SE: e_lo to e_hi) against the
-    measured weak-scaling row ``m``. Undecided when there is no W* (point infinite: alpha not resolved and
-    c <= T_comp), and when beta - 2 SE <= 0 leaves the model's range open down to 0, so that any measurement below
-    its top "agrees" and the comparison cannot fail (issue 41: the tool used to say "they agree" there)."""
+    """Q14 (b)'s efficiency: the model's efficiency at W = 2 (perfect overlap, over the fit's ± 2 SE: e_lo to e_hi)
+    against the measured weak-scaling row ``m``. Undecided on this machine, whatever was measured, when there is no
+    W* (point infinite: alpha not resolved and c <= T_comp) and when beta - 2 SE <= 0 (the template's rule: the
+    model's range then runs down to 0 and cannot disagree; issue 41: the tool said "they agree" there, and still
+    said "they do not agree" when the measured low end was above the model's top)."""
     m_lo, m_hi = m.get("efficiency_range") or (m["efficiency"], m["efficiency"])
     measured = f"measured {m['efficiency']:.2f} ({m_lo:.2f} to {m_hi:.2f})"
-    if not math.isfinite(point):  # the template's rule: with no W*, (d) is undecided
+    if not math.isfinite(point):  # the template's rule: with no W*, the comparison is undecided
         return (f"{UNDECIDED}: there is no W* (alpha not resolved, so alpha = 0, and c <= T_comp); {measured}: "
                 + HALF)
     model = f"the model predicts an efficiency of {e_lo:.2f} to {e_hi:.2f} (perfect overlap, the fit's ± 2 SE)"
+    if b_lo <= 0:
+        return (f"{model}; {measured}: {UNDECIDED}: beta - 2 SE <= 0, so the model's range runs down to "
+                f"{e_lo:.2f} and cannot disagree, whatever was measured; " + HALF)
     apart = ("they do not agree (the ranges are apart): the answer names what else limits the step (cores shared by "
              "the ranks, latency, overlap that is not perfect)")
-    if b_lo <= 0 and m_lo <= e_hi:
-        return (f"{model}; {measured}: {UNDECIDED}: beta - 2 SE <= 0, so the model's range runs down to "
-                f"{e_lo:.2f} and holds any measurement below {e_hi:.2f}: the ranges overlap without testing the "
-                f"model; " + HALF)
     agree = m_hi >= e_lo and m_lo <= e_hi
     return f"{model}; {measured}: " + ("they agree (the ranges overlap)" if agree else apart)
 
 
 def add_crossover(v, scaling: dict, comm: dict, gpt: dict | None) -> None:
-    """Q14's values and its (c) and (d) conclusions."""
+    """Q14's values and its (b) conclusions (W = 2 against W*, and the efficiency)."""
     # Q14: W*, its range over the fit's ± 2 SE, and the efficiency the model predicts at W = 2
     base = next((r for r in scaling.get("results") or [] if r.get("scaling") == "weak" and r.get("strategy") == "FSDP"
                  and r.get("world_size") == 1), None)
@@ -52,8 +54,10 @@ def add_crossover(v, scaling: dict, comm: dict, gpt: dict | None) -> None:
         alpha, beta = fit_usable(f)
         if beta is None:
             v.add("Q14", "q14_wstar", "W*", "n/a: beta n/a (the W = 2 fit's slope is <= 0)")
-            v.conclude("Q14", "q14_c_conclusion", "(c)", "no W*: the fit has no beta (slope <= 0); say so: full marks")
-            v.conclude("Q14", "q14_d_conclusion", "(d)", f"{UNDECIDED}: no W* to compare with; say so")
+            v.conclude("Q14", "q14_c_conclusion", "(b) W = 2 against W*",
+                       "no W*: the fit has no beta (slope <= 0); say so: full marks")
+            v.conclude("Q14", "q14_d_conclusion", "(b) the efficiency at W = 2",
+                       f"{UNDECIDED}: no W* to compare with; say so")
         else:
             a_lo, a_hi = ((max(alpha - 2 * f["alpha_se_s"], 0.0), alpha + 2 * f["alpha_se_s"]) if alpha is not None
                           else (0.0, max(f["alpha_bound_s"], 0.0)))
@@ -80,14 +84,15 @@ def add_crossover(v, scaling: dict, comm: dict, gpt: dict | None) -> None:
                   + f", range {lo:.2f} to " + (f"{hi:.2f}" if math.isfinite(hi) else "none (never)")
                   + (" (beta - 2 SE <= 0: the range's low end is W = 1, communication could limit from the first "
                      "extra rank: say so)" if b_lo <= 0 else ""))
-            v.conclude("Q14", "q14_c_conclusion", "(c) W = 2 against W*",
+            v.conclude("Q14", "q14_c_conclusion", "(b) W = 2 against W*",
                        resolved(lo, hi, 2.0, below="W* below 2: communication limits the step at W = 2",
                                 above="W* above 2: compute limits the step at W = 2", point=point,
                                 sides=("communication-limited", "compute-limited")))
             e_lo, e_hi = eff2(a_hi, b_lo), eff2(a_lo, b_hi)
             m = weak.get(2)
             if m:
-                v.conclude("Q14", "q14_d_conclusion", "(d) at W = 2", efficiency_verdict(m, point, b_lo, e_lo, e_hi))
+                v.conclude("Q14", "q14_d_conclusion", "(b) the efficiency at W = 2",
+                           efficiency_verdict(m, point, b_lo, e_lo, e_hi))
     else:
         v.add("Q14", "q14_wstar", "W*", "n/a (scaling.json or comm.json missing)")
-        v.conclude("Q14", "q14_c_conclusion", "(c)", "not answerable from these results (no W = 2 fit or no scaling)")
+        v.conclude("Q14", "q14_c_conclusion", "(b)", "not answerable from these results (no W = 2 fit or no scaling)")

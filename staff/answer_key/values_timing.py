@@ -1,6 +1,5 @@
-"""The key's communication and step-time numbers: Q10 (the all-gather fits, N_1/2, latency- or bandwidth-bound,
-the collectives table against beta), Q11 and Q13 (step ratios with the noise rule, exposed communication,
-collectives per step).
+"""The key's communication and step-time numbers: Q10 (the W = 2 all-gather fit, N_1/2, latency- or bandwidth-bound)
+and Q11 and Q13 (b) (step ratios with the noise rule, exposed communication).
 
 Each function adds its values to ``v`` (values.Values) in the order NUMBERS.md prints them.
 """
@@ -32,56 +31,41 @@ def root_params(gpt: dict) -> tuple[int, int]:
 
 
 def add_fits(v, comm: dict, gpt: dict | None) -> None:
-    """Q10: Psi_blk, each W's all-gather fit and N_1/2 range, (c)'s verdict and (d)'s comparison with the
-    collectives table."""
-    # Q10: the script's fits
+    """Q10: Psi_blk, the W = 2 all-gather fit with N_1/2's range, and (b)'s verdict on Psi_blk against it (writeup v5
+    asks neither the W = 4 fit nor a comparison with the collectives table's bus bandwidth)."""
+    # Q10: the script's fit at W = 2
     psi_root, psi = root_params(gpt) if gpt else (None, None)
     blk = (psi - psi_root) // gpt["n_layer"] if gpt else None
     v.add("Q10", "q10_blk", "Psi_blk (one block)", f"{blk:,} elements" if blk else "n/a")
     v.add("Q10", "q10_psi_per_layer", "Psi / n_layer, the root's embeddings counted in (not Psi_blk)",
           f"{psi // gpt['n_layer']:,} elements" if gpt else "n/a")
-    for W in (2, 4):
-        f = fit_of(comm, W)
-        if not f:
-            v.add("Q10", f"q10_fit_w{W}", f"all-gather fit at W = {W}", "n/a (comm.json: no fit)")
-            v.conclude("Q10", f"q10_c_w{W}", f"(c) at W = {W}", "no fit at this W: the part is not answerable")
-            continue
-        alpha, beta = fit_usable(f)
-        interval = n_half_interval(f, W)
-        if beta is None:
-            half = "no N_1/2: the fitted slope is <= 0 (beta n/a)"
-        elif alpha is not None:
-            half = (f"N_1/2 = W alpha beta / b = {W * alpha * beta / 4:,.0f} elements, ± 2 SE range "
-                    f"{interval[0]:,.0f} to {interval[1]:,.0f}"
-                    + (" (beta - 2 SE <= 0: the range has no lower bound, its lowest is 0: say so)"
-                       if beta_range(f, beta)[0] <= 0 else ""))
-        else:
-            half = (f"alpha not resolved{' (<= 0)' if f['alpha_s'] <= 0 else ''}: N_1/2 < W alpha_bound "
-                    f"(beta + 2 SE) / b = {interval[1]:,.0f} elements (alpha_bound = "
-                    f"{f['alpha_bound_s'] * 1e6:.0f} us), no lower bound")
-        v.add("Q10", f"q10_fit_w{W}", f"all-gather fit at W = {W}",
-              f"alpha = {f['alpha_s'] * 1e6:.0f} ± {2 * f['alpha_se_s'] * 1e6:.0f} us "
-              f"({'resolved' if f['alpha_resolved'] else 'not resolved'}), beta = "
-              + (f"{_g(beta / 1e9)} GB/s ± {_g(2 * f['beta_rel_se'] * beta / 1e9, 2)}" if beta else "n/a (slope <= 0)")
-              + f"; {half}; largest relative error of the fit {100 * f['max_rel_error']:.0f}%")
-        if blk:
-            v.conclude("Q10", f"q10_c_w{W}", f"(c) at W = {W}, Psi_blk = {blk:,} against N_1/2",
-                       latency_or_bandwidth(blk, interval, alpha, beta, W))
-        coll = [c for c in comm.get("collectives") or [] if c.get("world_size") == W and c.get("kind") == "all_gather"]
-        if coll:
-            ag = max(coll, key=lambda c: c.get("busbw_gbps", 0))
-            v.add("Q10", f"q10_best_w{W}", f"highest all-gather bus bandwidth in the collectives table at W = {W}",
-                  f"{ag['busbw_gbps']:.3g} GB/s at {ag['size']:,} bytes")
-            if beta is None:
-                verdict = "no beta to compare (slope <= 0): say so"
-            else:
-                lo, hi = beta_range(f, beta)
-                x = ag["busbw_gbps"] * 1e9
-                verdict = (f"the all-gather's highest busbw {ag['busbw_gbps']:.3g} GB/s is "
-                           + ("inside" if lo <= x <= hi else "outside")
-                           + f" beta's ± 2 SE range ({_g(max(lo, 0) / 1e9)} to {_g(hi / 1e9)} GB/s): "
-                           + ("they agree" if lo <= x <= hi else "they do not agree: the answer says so and why"))
-            v.conclude("Q10", f"q10_d_w{W}", f"(d) at W = {W}", verdict)
+    W = 2
+    f = fit_of(comm, W)
+    if not f:
+        v.add("Q10", f"q10_fit_w{W}", f"all-gather fit at W = {W}", "n/a (comm.json: no fit)")
+        v.conclude("Q10", f"q10_c_w{W}", f"(b) at W = {W}", "no fit at this W: the part is not answerable")
+        return
+    alpha, beta = fit_usable(f)
+    interval = n_half_interval(f, W)
+    if beta is None:
+        half = "no N_1/2: the fitted slope is <= 0 (beta n/a)"
+    elif alpha is not None:
+        half = (f"N_1/2 = W alpha beta / b = {W * alpha * beta / 4:,.0f} elements, ± 2 SE range "
+                f"{interval[0]:,.0f} to {interval[1]:,.0f}"
+                + (" (beta - 2 SE <= 0: the range has no lower bound, its lowest is 0: say so)"
+                   if beta_range(f, beta)[0] <= 0 else ""))
+    else:
+        half = (f"alpha not resolved{' (<= 0)' if f['alpha_s'] <= 0 else ''}: N_1/2 < W alpha_bound "
+                f"(beta + 2 SE) / b = {interval[1]:,.0f} elements (alpha_bound = "
+                f"{f['alpha_bound_s'] * 1e6:.0f} us), no lower bound")
+    v.add("Q10", f"q10_fit_w{W}", f"all-gather fit at W = {W}",
+          f"alpha = {f['alpha_s'] * 1e6:.0f} ± {2 * f['alpha_se_s'] * 1e6:.0f} us "
+          f"({'resolved' if f['alpha_resolved'] else 'not resolved'}), beta = "
+          + (f"{_g(beta / 1e9)} GB/s ± {_g(2 * f['beta_rel_se'] * beta / 1e9, 2)}" if beta else "n/a (slope <= 0)")
+          + f"; {half}; largest relative error of the fit {100 * f['max_rel_error']:.0f}%")
+    if blk:  # the placeholder keeps its v4 name (key_source.md quotes {{q10_c_w2}}); the part is v5's (b)
+        v.conclude("Q10", f"q10_c_w{W}", f"(b) at W = {W}, Psi_blk = {blk:,} against N_1/2",
+                   latency_or_bandwidth(blk, interval, alpha, beta, W))
 
 
 def add_steps(v, step: dict) -> None:
@@ -123,25 +107,3 @@ def add_steps(v, step: dict) -> None:
             v.add("Q11", f"q11_vs_one_{ic}_w{r['world_size']}",
                   f"FSDP + prefetch vs one process, W = {r['world_size']}, {r.get('interconnect')}",
                   f"{r['vs_one_process']:.2f}x")
-
-
-def add_collectives(v, comm: dict, gpt: dict | None) -> None:
-    """Q13 (a, c): collectives per step with 1 and 2 blocks a unit, and the latency they save (alpha's rule)."""
-    # Q13: collectives per step
-    if gpt:
-        n1, n2 = gpt["n_layer"] + 1, gpt["n_layer"] // 2 + 1
-        f = fit_of(comm, 2)
-        lat = ""
-        if f:
-            if f["alpha_resolved"] and f["alpha_s"] > 0:
-                lat = f"; at W = 2 that saves 3 x {n1 - n2} x alpha = {3 * (n1 - n2) * f['alpha_s'] * 1e3:.2f} ms per step"
-            else:
-                lat = (f"; alpha not resolved at W = 2: the saving is below 3 x {n1 - n2} x alpha_bound = "
-                       f"{3 * (n1 - n2) * f['alpha_bound_s'] * 1e3:.2f} ms per step")
-        v.add("Q13", "q13_colls", "collectives per step, 1 and 2 blocks per unit",
-              f"3 x {n1} = {3 * n1} and 3 x {n2} = {3 * n2}{lat}")
-        if f:
-            v.conclude("Q13", "q13_c_conclusion", "(c)",
-                       "a saving of 3 (n_units1 - n_units2) alpha" if f["alpha_resolved"] and f["alpha_s"] > 0 else
-                       "alpha not resolved (or <= 0): only the upper bound on the saving (alpha_bound); a saving "
-                       "computed from the unresolved alpha as a value loses the part")
