@@ -362,3 +362,19 @@ def train_single_process(cfg: GPTConfig, world_size: int, steps: int, optimizer_
 def full_params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameter name -> tensor, tied parameters under every name (as FSDP's full state dicts have them)."""
     return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def own_storage(obj):
+    """``obj`` (a state dict: nested dicts, lists and tuples of tensors) with every tensor that is a view of a
+    larger storage copied into its own. The test sends the state dict between ranks for its own purposes, and
+    pickling a tensor sends its whole storage: a full state dict whose tensors are views of one gathered buffer
+    would otherwise send that buffer once per view, and the kernel would charge the test's transfer to the
+    submission's bytes. A tensor that owns its storage is sent as it is (no copy, no memory added)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else obj
+    if isinstance(obj, dict):
+        return {k: own_storage(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(own_storage(v) for v in obj)
+    return obj

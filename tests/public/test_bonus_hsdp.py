@@ -28,7 +28,7 @@ import torch
 import adapters
 from fsdp_assignment.support.models import GPT, GPTConfig, gpt_batch, gpt_loss
 from tests.harness import run_ranks
-from tests.public.common import WITNESS_PEAK_OVERHEAD_HEAVY_BYTES, witness_for
+from tests.public.common import WITNESS_PEAK_OVERHEAD_HEAVY_BYTES, own_storage, witness_for
 from tests.public.collectives import use_counted_collectives
 from tests.public.common import (assert_close, check_flat_params, describe_flat_params, expected_shard,
                                  full_params_of, local_batch, unit_numels)
@@ -252,22 +252,6 @@ def _check_hsdp(results, shape, expected, optim, norms):
                              rtol=RTOL)
         else:
             assert not got["model_sd"], f"{where}: a full state dict lives on rank 0 only; rank {rank} kept one"
-
-
-def own_storage(obj):
-    """``obj`` (a state dict: nested dicts, lists and tuples of tensors) with every tensor that is a view of a
-    larger storage copied into its own. The test sends the state dict between ranks for its own purposes, and
-    pickling a tensor sends its whole storage: a full state dict whose tensors are views of one gathered buffer
-    would otherwise send that buffer once per view, and the kernel would charge the test's transfer to the
-    submission's bytes. A tensor that owns its storage is sent as it is (no copy, no memory added)."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else obj
-    if isinstance(obj, dict):
-        return {k: own_storage(v) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(own_storage(v) for v in obj)
-    return obj
 
 
 def _hsdp_witness(world_size: int, meshes: int):

@@ -147,7 +147,7 @@ def test_the_hsdp_tests_send_each_tensor_of_a_state_dict_once():
     against its bound of 5,290,787, and failed it without own_storage, 24,410,248.)"""
     import pickle
     import torch
-    from tests.public.test_bonus_hsdp import own_storage
+    from tests.public.common import own_storage
     buffer = torch.arange(1 << 16, dtype=torch.float32)
     views = {f"p{i}": buffer[i << 12:(i + 1) << 12].view(64, 64) for i in range(16)}
     owned = {"w": torch.ones(64, 64), "nested": [torch.zeros(8), (buffer[:8],)], "step": 3}

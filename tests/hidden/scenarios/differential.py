@@ -326,8 +326,9 @@ class Ours:
     def save(self, model, optim):
         """Full model and optimizer state dicts, made on rank 0 and sent to every rank (each loads them)."""
         import adapters
-        box = [(adapters.get_model_state_dict(model, full=True),
-                adapters.get_optimizer_state_dict(model, optim, full=True))]
+        from tests.public.common import own_storage  # the test's own transfer: each tensor's own bytes
+        box = [own_storage((adapters.get_model_state_dict(model, full=True),
+                            adapters.get_optimizer_state_dict(model, optim, full=True)))]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
