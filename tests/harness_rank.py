@@ -162,8 +162,8 @@ def _malloc_returns_big_blocks() -> None:
 
 
 # Blocks of this size or more are their own mappings in a witnessed rank (_malloc_returns_big_blocks). What it
-# costs, measured on tests/public/test_task4_backward.py (reference, both thresholds side by side): see the
-# commit that set it.
+# costs, measured on tests/public/test_task4_backward.py (the staff's implementation, both thresholds side by
+# side): see the commit that set it.
 MALLOC_MMAP_THRESHOLD_BYTES = 64 << 10
 
 

@@ -281,8 +281,8 @@ WITNESS_PEAK_OVERHEAD_BYTES = 40 << 20
 WITNESS_PEAK_OVERHEAD_HEAVY_BYTES = 96 << 20
 # What a rank holds at a mark after backward (every unit resharded) above its body's start beyond its shards and
 # their gradients: the heap its first step grew (blocks under the 64 KiB mmap threshold stay resident) and more
-# as the model grows. Measured (issue 40; Task 4's one-step body, a 3-layer GPT hand-sharded, the reference, load
-# 15-19, readings of one configuration within 0.1 MiB across ranks and runs): beyond 2·Σ/W, 2.4-2.6 MiB at n_embd
+# as the model grows. Measured (issue 40; Task 4's one-step body, a 3-layer GPT hand-sharded, the staff's
+# implementation, load 15-19, readings of one configuration within 0.1 MiB across ranks and runs): beyond 2·Σ/W, 2.4-2.6 MiB at n_embd
 # 38 (Σ 0.22 MiB), 3.2-3.4 at 128 (Σ 2.3 MiB, U 0.78), 3.6-3.9 at 192 (Σ 5.2 MiB, U 1.73). Allowed: this + U.
 # never_free's lie holds Σ more at the same moment (measured +0.1-0.25, +2.2-2.4 and +4.9-5.3 MiB).
 WITNESS_HELD_OVERHEAD_BYTES = 3584 << 10
