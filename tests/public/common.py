@@ -283,13 +283,14 @@ WITNESS_PEAK_OVERHEAD_HEAVY_BYTES = 96 << 20
 # their gradients: the heap its first step grew (blocks under the 64 KiB mmap threshold stay resident) and more
 # as the model grows. Measured (issue 40; Task 4's one-step body, a 3-layer GPT hand-sharded, the staff's
 # implementation, load 15-19, readings of one configuration within 0.1 MiB across ranks and runs): beyond 2·Σ/W,
-# 2.4-2.6 MiB at n_embd 38 (Σ 0.22 MiB), 3.2-3.4 at 128 (Σ 2.3 MiB, U 0.78), 3.6-3.9 at 192 (Σ 5.2 MiB, U 1.73). Allowed: this + U.
+# 2.4-2.6 MiB at n_embd 38 (Σ 0.22 MiB), 3.2-3.4 at 128 (Σ 2.3 MiB, U 0.78), 3.6-3.9 at 192 (Σ 5.2 MiB,
+# U 1.73). Allowed: this + U.
 # never_free's lie holds Σ more at the same moment (measured +0.1-0.25, +2.2-2.4 and +4.9-5.3 MiB).
 WITNESS_HELD_OVERHEAD_BYTES = 3584 << 10
 # Bytes: barriers, scalar collectives (a norm, a flag), the monitor's and the counter's own exchanges (the
 # staff's implementation sends 1-40 KiB beyond its bound's formula), on top of the harness's allowance for
-# joining the group (64 KiB). Tight on purpose: bytes do not wander as resident memory does, and an all-reduce in place of one
-# reduce-scatter of the tests' smallest model (W=2) sends 113 KiB more.
+# joining the group (64 KiB). Tight on purpose: bytes do not wander as resident memory does, and an all-reduce
+# in place of one reduce-scatter of the tests' smallest model (W=2) sends 113 KiB more.
 WITNESS_SENT_OVERHEAD_BYTES = 32 << 10
 
 
