@@ -198,7 +198,7 @@ def test_sharded_meta_init_matches_eager_init_one_unit_at_a_time(world_size):
             "full parameters may be alive at a time, besides the shards (Task 1's contract; hints/task1/)")
 
 
-# ---- A frozen unit's shard stays frozen, an fp64 one fp64, through meta-device init --------------------------------------------------
+# ---- Through meta-device init a frozen shard stays frozen, an fp64 one fp64, and the RNG ends where eager init left it
 def _materialize_frozen(rank, world_size):
     torch.manual_seed(5)
     with torch.device("meta"):
@@ -207,19 +207,21 @@ def _materialize_frozen(rank, world_size):
         p.requires_grad_(False)  # the root's embeddings (tied to lm_head) and all of block 0 frozen
     hand_shard_gpt(model, hooks=None)  # FlatParameters only: a trainable and a frozen one per unit where both occur
     adapters.materialize_meta_module(model, "cpu")
+    after = torch.rand(4)  # the generator must end where eager init left it (a tied weight's later owner included)
     registered = {n: p.requires_grad for n, p in model.named_parameters()}
     with torch.device("meta"):
         wide = GPT(GPTConfig(n_layer=2)).to(torch.float64)  # built on meta in fp64; the default dtype stays fp32
     hand_shard_gpt(wide, hooks=None)
     adapters.materialize_meta_module(wide, "cpu")
     wide_dtypes = {n: str(p.dtype) for n, p in wide.named_parameters()}
-    return {"flat": describe_flat_params(model), "registered": registered, "fp64_dtypes": wide_dtypes}
+    return {"flat": describe_flat_params(model), "registered": registered, "fp64_dtypes": wide_dtypes, "after": after}
 
 
 def test_sharded_meta_init_keeps_each_shards_requires_grad_and_dtype():
     """Task 1's materialize_meta_module on units with frozen FlatParameters (needs Tasks 1 and 2)."""
     torch.manual_seed(5)
     eager = GPT(GPTConfig(n_layer=2))
+    after = torch.rand(4)
     full = {n: p for n, p in eager.named_parameters(remove_duplicate=False)}
     frozen = {n for n in full if n.startswith(("wte.", "wpe.", "lm_head.", "blocks.0."))}
     for rank, got in enumerate(run_ranks(_materialize_frozen, 2)):
@@ -239,6 +241,10 @@ def test_sharded_meta_init_keeps_each_shards_requires_grad_and_dtype():
         assert not wrong, (
             f"rank {rank}: parameters registered on the modules after materialize_meta_module with the wrong "
             f"requires_grad: {wrong} (a frozen FlatParameter's shard is registered as _fsdp_flat_param_frozen)")
+        assert torch.equal(got["after"], after), (
+            f"rank {rank}: after materialize_meta_module of the sharded GPT the random generator is in another state "
+            f"than after eager init: every owner's init consumes random numbers, a tied weight's later owner "
+            f"(lm_head, tied to wte) included, although the tied weight keeps its first initializer's value")
         not_fp64 = {n: d for n, d in got["fp64_dtypes"].items() if d != "torch.float64"}
         assert not not_fp64, (
             f"rank {rank}: a GPT built on meta in fp64 and sharded comes back with shards of other dtypes: "
