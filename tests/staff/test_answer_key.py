@@ -126,7 +126,7 @@ def test_the_cluster_scenario_is_the_templates():
     sc = regenerate.SCENARIO
     q15 = (ROOT / "WRITEUP_TEMPLATE.md").read_text(encoding="utf-8").split("**Q15.**")[1].split("## ")[0]
     # (writeup v5, issue 41: Q15 no longer asks for CPU offload, so the template states no PCIe link and the
-    # scenario's pcie_gbps is not checked here)
+    # scenario has none)
     for phrase in (f"{sc['psi'] / 1e9:.0f}B", f"{sc['nodes']} nodes × {sc['gpus_per_node']} GPUs of {sc['gpu_gb']} GB",
                    f"bf16 ({sc['ag_bytes']} bytes)", f"fp32 ({sc['rs_bytes']} bytes)"):
         assert phrase in q15, f"the template's Q15 does not state {phrase!r} (regenerate.SCENARIO)"
@@ -247,13 +247,13 @@ def test_the_run_all_timing_claims_agree():
 def test_q14d_is_undecided_on_this_machine_when_beta_minus_2se_is_not_positive(tmp_path):
     """Issue 41: with beta - 2 SE <= 0 the model's W = 2 efficiency range runs down to 0, so any measurement below its
     top "agrees": the tool said "they agree" there. It now says the comparison is undecided, under the one name
-    Q14 (d) uses for it ("undecided on this machine", as with no W*), and what an answer that concludes anyway
+    Q14 (b) uses for it ("undecided on this machine", as with no W*), and what an answer that concludes anyway
     earns; the staff run (beta well resolved) keeps its decided verdict."""
     regenerate = _load("_regenerate_q14d", "staff/answer_key/regenerate.py")
 
     def q14d(folder: Path) -> str:
         q14 = regenerate.expected_answers(folder).split("\nQ14\n")[1].split("\nQ15\n")[0]
-        return next(x for x in q14.splitlines() if "EXPECTED CONCLUSION (d)" in x)
+        return next(x for x in q14.splitlines() if "EXPECTED CONCLUSION (b) the efficiency" in x)
 
     folder = tmp_path / "wide_beta"
     folder.mkdir()
@@ -270,4 +270,4 @@ def test_q14d_is_undecided_on_this_machine_when_beta_minus_2se_is_not_positive(t
     staff = q14d(RESULTS)
     assert "undecided" not in staff and ("they agree" in staff or "they do not agree" in staff), staff
     for text in (line, staff):
-        assert "undecided at this precision" not in text, text  # one name for Q14 (d)'s undecided case
+        assert "undecided at this precision" not in text, text  # one name for Q14 (b)'s undecided case

@@ -79,10 +79,9 @@ def test_alpha_unresolved(regenerate, tmp_path):
     lo, hi = regenerate.n_half_interval(f2, 2)
     assert lo == 0 and hi == pytest.approx(2 * f2["alpha_bound_s"] * regenerate.beta_range(f2, f2["beta_bytes_per_s"])[1] / 4)
     assert hi > 2 * f2["alpha_bound_s"] * f2["beta_bytes_per_s"] / 4
-    assert re.search(r"\(c\) at W = \d.*(bandwidth-bound: Psi_blk is above the bound|undecided at this precision: "
+    assert re.search(r"\(b\) at W = 2.*(bandwidth-bound: Psi_blk is above the bound|undecided at this precision: "
                      r"alpha is not resolved)", q["Q10"])
     assert "alpha = 0 for the value, alpha_bound for the range" in q["Q14"]
-    assert "alpha not resolved (or <= 0): only the upper bound" in q["Q13"]
 
 
 def test_alpha_not_positive(regenerate, tmp_path):
@@ -93,7 +92,7 @@ def test_alpha_not_positive(regenerate, tmp_path):
     q = every_question_concludes(regenerate, regenerate.expected_answers(doctored(tmp_path, "negative", edit)))
     assert "alpha not resolved (<= 0)" in q["Q10"]
     assert "not resolved and <= 0" in q["Q14"] and "W* = " in q["Q14"]
-    assert "EXPECTED CONCLUSION (c) W = 2 against W*" in q["Q14"]
+    assert "EXPECTED CONCLUSION (b) W = 2 against W*" in q["Q14"]
 
 
 def test_beta_not_positive(regenerate, tmp_path):
@@ -102,7 +101,6 @@ def test_beta_not_positive(regenerate, tmp_path):
             f["beta_bytes_per_s"], f["b_s_per_byte"], f["beta_rel_se"] = math.inf, -1e-12, math.nan
     q = every_question_concludes(regenerate, regenerate.expected_answers(doctored(tmp_path, "beta", edit)))
     assert "no N_1/2" in q["Q10"] and "undecided on this machine: no beta" in q["Q10"]
-    assert "no beta to compare" in q["Q10"]
     assert "no W*: the fit has no beta" in q["Q14"] and "undecided on this machine: no W* to compare" in q["Q14"]
 
 
@@ -123,16 +121,21 @@ def test_an_n_half_interval_straddling_the_block(regenerate, tmp_path):
         f["alpha_s"] = blk * 4 / (2 * f["beta_bytes_per_s"])  # N_1/2 = Psi_blk exactly, at the point estimate
         f["alpha_se_s"], f["alpha_resolved"] = f["alpha_s"] / 4, True
     q = every_question_concludes(regenerate, regenerate.expected_answers(doctored(tmp_path, "nhalf", edit)))
-    line = next(x for x in q["Q10"].splitlines() if "EXPECTED CONCLUSION (c) at W = 2" in x)
+    line = next(x for x in q["Q10"].splitlines() if "EXPECTED CONCLUSION (b) at W = 2" in x)
     assert "undecided at this precision: Psi_blk is inside N_1/2's range" in line, line
 
 
-def test_the_staff_run_has_a_straddling_n_half_at_w4_and_says_so(regenerate):
+def test_the_staff_runs_q10b_follows_the_rule_at_w2_only(regenerate):
+    """Writeup v5's Q10 (b) asks W = 2 only (v4's (c) asked W = 2 and 4): the printout concludes once, at W = 2, by
+    the rule on the staff fit's N_1/2 range, and quotes nothing of W = 4 (no fit, no bus bandwidth: not asked)."""
     q = every_question_concludes(regenerate, regenerate.expected_answers(RESULTS))
-    line = next(x for x in q["Q10"].splitlines() if "EXPECTED CONCLUSION (c) at W = 4" in x)
-    lo, hi = regenerate.n_half_interval(fits({"comm": json.loads((RESULTS / "comm.json").read_text())}, 4)[0], 4)
-    if lo <= 463_540 <= hi:
-        assert "undecided at this precision" in line, line
+    lines = [x for x in q["Q10"].splitlines() if "EXPECTED CONCLUSION" in x]
+    assert len(lines) == 1 and "EXPECTED CONCLUSION (b) at W = 2" in lines[0], lines
+    assert "W = 4" not in q["Q10"] and "bus bandwidth" not in q["Q10"] and "busbw" not in q["Q10"], q["Q10"]
+    lo, hi = regenerate.n_half_interval(fits({"comm": json.loads((RESULTS / "comm.json").read_text())}, 2)[0], 2)
+    blk = int(regenerate.values(RESULTS).flat()["q10_blk"].split()[0].replace(",", ""))
+    expected = ("bandwidth-bound" if blk > hi else "latency-bound" if blk < lo else "undecided at this precision")
+    assert lines[0].split(": ", 1)[1].startswith(expected), (lo, hi, blk, lines[0])
 
 
 def test_the_median_over_an_even_number_of_ranks_is_the_mean_of_the_middle_two(regenerate, tmp_path):
@@ -147,7 +150,7 @@ def test_the_median_over_an_even_number_of_ranks_is_the_mean_of_the_middle_two(r
 
 
 def test_the_dominant_term_comes_from_the_branch_that_sets_the_peak(regenerate):
-    """Q9(b): the model is max(12 S + A + 4 (U_p + U_g), 16 S + 4 U_end); its dominant term is read in the branch
+    """Q9 (a): the model is max(12 S + A + 4 (U_p + U_g), 16 S + 4 U_end); its dominant term is read in the branch
     that sets the peak. The staff run's W = 4 peak is the start of backward: 12 S, not 16 S (the other branch's)."""
     memory = json.loads((RESULTS / "memory.json").read_text())
     model = next(r for r in memory["results"] if r["strategy"] == "FSDP" and r["world_size"] == 4)["model"]
@@ -178,7 +181,7 @@ def _flat(text: str) -> str:
 
 
 def test_q14d_with_no_w_star_is_undecided_in_template_key_and_tool(regenerate, tmp_path):
-    """M2: alpha unresolved and c <= T_comp: no W*, and the efficiency comparison (the tool's (d), v5's Q14 (b)) is
+    """M2: alpha unresolved and c <= T_comp: no W*, and the efficiency comparison (v5's Q14 (b), v4's (d)) is
     "undecided on this machine" in all three: the one name for what the fit cannot give (issue 41: the tool said
     agree or do not agree, then "undecided at this precision" for the same case)."""
     def edit(d):
@@ -188,7 +191,7 @@ def test_q14d_with_no_w_star_is_undecided_in_template_key_and_tool(regenerate, t
             f["beta_bytes_per_s"] *= 1000  # c = 3 Psi b / beta falls far below T_comp
     q = every_question_concludes(regenerate, regenerate.expected_answers(doctored(tmp_path, "nowstar", edit)))
     assert "W* = none (c <= T_comp" in q["Q14"], q["Q14"]
-    line = next(x for x in q["Q14"].splitlines() if "EXPECTED CONCLUSION (d)" in x)
+    line = next(x for x in q["Q14"].splitlines() if "EXPECTED CONCLUSION (b) the efficiency" in x)
     assert line.split("EXPECTED CONCLUSION")[1].split(": ", 1)[1].startswith("undecided on this machine: there is no W*"), line
     template = _flat(TEMPLATE.read_text(encoding="utf-8"))
     assert ("with no W*, or where β − 2 SE ≤ 0 (the model's range then runs down to 0 and cannot disagree), the "
@@ -201,14 +204,14 @@ def test_q14d_with_no_w_star_is_undecided_in_template_key_and_tool(regenerate, t
         assert "the part is undecided at this precision" not in text
 
 
-def test_q9b_the_other_branchs_term_does_not_count_in_template_key_and_tool(regenerate):
+def test_q9a_the_other_branchs_term_does_not_count_in_template_key_and_tool(regenerate):
     """M4: the template says the other branch's terms do not add to the peak; the key's prose and the tool's
     conclusion say such a term does not count, argued or not (last round's blocker)."""
     template = _flat(TEMPLATE.read_text(encoding="utf-8"))
     assert "(the other branch's terms do not add to it)" in template
     key = _flat(SOURCE.read_text(encoding="utf-8"))
     assert "A term of the other branch does not count, argued or not" in key
-    conclusion = regenerate.values(RESULTS).flat()["q9_b_conclusion"]
+    conclusion = regenerate.values(RESULTS).flat()["q9_a_conclusion"]
     assert "a term of the other branch does not count" in conclusion, conclusion
     for text in (key, conclusion, _flat((ROOT / "staff" / "answer_key" / "ANSWER_KEY.md").read_text())):
         assert "or the other branch's, earns" not in text
@@ -265,7 +268,7 @@ def test_straddling_conclusions_name_the_side_in_one_readable_sentence(regenerat
         for f in d["comm"]["alpha_beta"]:
             f["beta_rel_se"] = 0.45  # a wide beta range: W*'s range straddles 2
     q = every_question_concludes(regenerate, regenerate.expected_answers(doctored(tmp_path, "straddle", edit)))
-    line = next(x for x in q["Q14"].splitlines() if "EXPECTED CONCLUSION (c)" in x)
+    line = next(x for x in q["Q14"].splitlines() if "EXPECTED CONCLUSION (b) W = 2 against W*" in x)
     assert "side" not in line or re.search(r"on the (compute|communication)-limited side", line), line
     for text in q.values():
         assert not re.search(r"on the W\* (above|below) 2", text), text
@@ -281,7 +284,7 @@ def test_beta_minus_two_se_not_positive_is_said(regenerate, tmp_path):
     assert "beta - 2 SE <= 0" in q["Q14"] and "low end is W = 1" in q["Q14"], q["Q14"]
     # the efficiency comparison cannot fail there (the model's range runs down to 0): undecided on this machine, as
     # the template's Q14 (b) says (the tool said "they agree" whatever was measured)
-    line = next(x for x in q["Q14"].splitlines() if "EXPECTED CONCLUSION (d)" in x)
+    line = next(x for x in q["Q14"].splitlines() if "EXPECTED CONCLUSION (b) the efficiency" in x)
     assert "undecided on this machine" in line and "they agree (the ranges overlap)" not in line, line
     resolved_alpha = [f for f in fits({"comm": json.loads((tmp_path / "wide" / "comm.json").read_text())})
                       if f["alpha_resolved"] and f["alpha_s"] > 0]
@@ -290,7 +293,7 @@ def test_beta_minus_two_se_not_positive_is_said(regenerate, tmp_path):
 
 
 def test_psi_blk_is_the_block_unit_not_psi_over_n_layer(regenerate):
-    """Q10 (c): the key's Psi_blk is memory.json's n_block_unit; Psi / n_layer (the captions' arithmetic) counts
+    """Q10 (b): the key's Psi_blk is memory.json's n_block_unit; Psi / n_layer (the captions' arithmetic) counts
     the root's embeddings in and is printed beside it as what it is not."""
     memory = json.loads((RESULTS / "memory.json").read_text())
     n_blk = next(r for r in memory["results"] if r["strategy"] == "FSDP")["model"]["n_block_unit"]
@@ -316,6 +319,11 @@ def test_from_labels_the_design_questions_by_their_evidence(regenerate):
     mislabelled "exact bytes" and "exact counts")."""
     assert "hook_trace.py" in regenerate.NO_THRESHOLD["Q3"] and "hook_trace.py" in regenerate.NO_THRESHOLD["Q7"]
     assert "exact bytes" not in regenerate.NO_THRESHOLD["Q7"] and "trace" in regenerate.NO_THRESHOLD["Q8"]
+    # v5's Q1, Q6 and Q8 are graded from one hook_trace.py option each, the option their Deliverable names
+    template = TEMPLATE.read_text(encoding="utf-8")
+    for q, option in (("Q1", "--show-rng"), ("Q6", "--show-state-dict-peaks"), ("Q8", "--show-dtypes")):
+        assert "hook_trace.py" in regenerate.NO_THRESHOLD[q] and option in regenerate.NO_THRESHOLD[q], q
+        assert option in template.split(f"**{q}.**")[1].split("\n**Q")[0], (q, option)
 
 
 # ---- issue 37, M1: the design questions ask for the student's own runs; the key has one rule for hint designs ----
@@ -454,3 +462,60 @@ def test_a_print_you_add_is_asked_only_where_it_shows():
                 assert "pytest -s" in part or "hook_trace.py" in part, part[:200]
     assert text.count("[rank r]") == 1, "the template says where rank output goes exactly once"
     assert "--show-rng" in text and "--show-state-dict-peaks" in text and "--show-dtypes" in text
+
+
+# ---- writeup v5's parts: the printout labels its conclusions with the template's letters ---------------------------
+def test_the_printouts_part_letters_are_the_templates(regenerate):
+    """--from labelled its conclusions with v4's letters (Q10 (c), Q14 (c) and (d)) after v5 renamed the parts: every
+    letter it prints is a part of that question's Deliverable, and the parts concluded are v5's."""
+    q = every_question_concludes(regenerate, regenerate.expected_answers(RESULTS))
+    template = TEMPLATE.read_text(encoding="utf-8")
+    letters = {}
+    for name, body in q.items():
+        printed = set(re.findall(r"EXPECTED CONCLUSION \(([a-e])\)", body))
+        if not printed:
+            continue
+        deliverable = template.split(f"**{name}.**")[1].split("\n## ")[0].split("*Deliverable:*")[1]
+        for letter in printed:
+            assert re.search(rf"(^|; )\({letter}\) ", deliverable.strip()), (name, letter)
+        letters[name] = printed
+    assert letters == {"Q9": {"a", "b"}, "Q10": {"b"}, "Q11": {"a"}, "Q13": {"a", "b"}, "Q14": {"b"}}, letters
+    assert "EXPECTED CONCLUSION (a) the dominant term" in q["Q9"]
+    assert "EXPECTED CONCLUSION (b) FSDP no-reshard minus FSDP at W = 4" in q["Q9"]
+    assert "EXPECTED CONCLUSION (a) FSDP + prefetch, 2 blocks/unit minus FSDP + prefetch at W = 4" in q["Q13"]
+
+
+def test_what_v5_no_longer_asks_is_neither_printed_nor_quoted(regenerate):
+    """Q9's prefetch difference, Q10's W = 4 fit and bus-bandwidth comparison, Q13's collective count and Q15's
+    ZeRO-2 and CPU offload (with its PCIe link) are not v5's questions: --from and NUMBERS.md leave them out."""
+    q = every_question_concludes(regenerate, regenerate.expected_answers(RESULTS))
+    assert "FSDP + prefetch minus FSDP," not in q["Q9"], q["Q9"]
+    assert "W = 4" not in q["Q10"] and "bus bandwidth" not in q["Q10"], q["Q10"]
+    assert "collectives per step" not in q["Q13"] and "alpha" not in q["Q13"], q["Q13"]
+    for gone in ("ZeRO-2", "offload", "PCIe", "H2D"):
+        assert gone not in q["Q15"], gone
+    assert "pcie_gbps" not in regenerate.SCENARIO
+    flat = regenerate.values(RESULTS).flat()
+    for name in ("q9_prefetch", "q10_fit_w4", "q10_c_w4", "q10_d_w2", "q10_best_w2", "q13_colls", "q13_c_conclusion",
+                 "q15_offload"):
+        assert name not in flat, name
+    numbers = (ROOT / "staff" / "answer_key" / "NUMBERS.md").read_text(encoding="utf-8")
+    for gone in ("ZeRO-2", "CPU offload", "collectives per step", "all-gather fit at W = 4"):
+        assert gone not in numbers, gone
+    # the kept quantities are still there
+    assert "DDP 208.00 GB" in q["Q15"] and "FSDP 26.00 GB" in q["Q15"] and "HSDP 52.00 GB" in q["Q15"]
+
+
+def test_q14b_efficiency_with_beta_low_end_not_positive_is_undecided_whatever_was_measured(regenerate):
+    """The template: where beta - 2 SE <= 0 the efficiency comparison is undecided on this machine. The tool still
+    said "they do not agree" when the measured low end was above the model's top; it says undecided now, and the
+    same measurement with beta's low end above 0 still concludes (the rule is not undecided everywhere)."""
+    from staff.answer_key.values_scaling import efficiency_verdict
+    measured_high = {"efficiency": 0.9, "efficiency_range": [0.85, 0.95]}  # above the model's top, 0.5
+    open_range = efficiency_verdict(measured_high, point=1.5, b_lo=-1.0, e_lo=0.0, e_hi=0.5)
+    assert "undecided on this machine: beta - 2 SE <= 0" in open_range, open_range
+    assert "(the ranges are apart)" not in open_range and "(the ranges overlap)" not in open_range, open_range
+    inside = efficiency_verdict({"efficiency": 0.3, "efficiency_range": [0.25, 0.35]}, 1.5, -1.0, 0.0, 0.5)
+    assert "undecided on this machine" in inside and "(the ranges overlap)" not in inside, inside
+    closed = efficiency_verdict(measured_high, point=1.5, b_lo=1e8, e_lo=0.3, e_hi=0.5)
+    assert "they do not agree (the ranges are apart)" in closed, closed
