@@ -242,7 +242,10 @@ def check_sharded_training(calls: list[dict], shard_numels: list[int], model: nn
     assert sum(shard_numels) == shard_total, (
         f"{where}: this rank's parameters hold {sum(shard_numels)} elements; a sharded model holds "
         f"{shard_total} (each unit's padded elements / W). Keep only this rank's shard of every unit")
-    kinds = sorted({c["kind"] for c in calls} - {"all_gather", "reduce_scatter", "barrier"})
+    # At W=1 an all-reduce and a reduce-scatter move the same bytes (none) and the same elements: the counter's
+    # label is all that would tell them apart there, and a rank can rewrite it, so neither is charged for it.
+    reduction = {"reduce_scatter", "all_reduce"} if world_size == 1 else {"reduce_scatter"}
+    kinds = sorted({c["kind"] for c in calls} - {"all_gather", "barrier"} - reduction)
     assert not kinds, f"{where}: training communicated with {kinds}; FSDP needs only all-gathers and reduce-scatters"
     gathered = sum(c["numel"] for c in calls if c["kind"] == "all_gather")
     block_shards = sum(padded[k] // world_size for k in padded if k)
@@ -252,7 +255,7 @@ def check_sharded_training(calls: list[dict], shard_numels: list[int], model: nn
         f"{where}: {steps} training steps all-gathered {gathered} elements from this rank; expected between {low} "
         f"(every unit in forward and again in backward, the root at least in forward) and {high} (every unit twice "
         f"a step): parameters must come from the other ranks' shards, and no unit be gathered needlessly")
-    reduced = sorted(c["numel"] for c in calls if c["kind"] == "reduce_scatter")
+    reduced = sorted(c["numel"] for c in calls if c["kind"] in reduction)
     expected = sorted(list(padded.values()) * steps)
     assert reduced == expected, (
         f"{where}: reduce-scatters of {reduced} elements in {steps} steps; expected each unit's padded full "

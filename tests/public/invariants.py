@@ -265,7 +265,9 @@ def check_monitor(report: dict, model: nn.Module, world_size: int, where: str, *
             assert not reduced, (f"invariant reduce-scatters: {moment}, backward without gradient sync: it "
                                  f"communicated {[(c['kind'], c['numel']) for c in reduced]}; nothing may be reduced")
             continue
-        kinds = sorted({c["kind"] for c in reduced} - {"reduce_scatter"})
+        # At W=1 an all-reduce moves what a reduce-scatter moves (nothing): only a label would tell them apart.
+        reduction = {"reduce_scatter", "all_reduce"} if world_size == 1 else {"reduce_scatter"}
+        kinds = sorted({c["kind"] for c in reduced} - reduction)
         assert not kinds, f"invariant reduce-scatters: {moment}, backward: {kinds} issued; FSDP reduces by reduce-scatter"
         got = sorted(c["numel"] for c in reduced)
         expected = sorted(n * world_size for g in groups.values() for trainable, n in g if trainable)
