@@ -597,3 +597,23 @@ def test_gradients_accumulated_without_sync_are_summed_in_reduce_dtype():
             f"rank {rank}: after that synced backward and zeroing the gradients, one more synced micro-batch "
             f"(gradient 0.5) left {got['next'].tolist()}: the synced backward reduces the sum of the micro-batches "
             f"since the last synced one; nothing of an earlier step may be added again")
+
+
+# ---- fully_shard(reshard_after_forward=False) keeps the units unsharded after forward ---------------------------
+def _without_reshard(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+    for layer in (model[0], model[2]):
+        adapters.fully_shard(layer, reshard_after_forward=False)
+    adapters.fully_shard(model, reshard_after_forward=False)
+    with torch.no_grad():
+        model(torch.randn(4, 6))
+    return [fp.unsharded.untyped_storage().size() for u in adapters.fsdp_units(model) for fp in u.flat_params]
+
+
+def test_fully_shard_without_reshard_after_forward():
+    for rank, sizes in enumerate(run_ranks(_without_reshard, 2)):
+        assert sizes and all(s > 0 for s in sizes), (
+            f"rank {rank}: after a forward of units made by fully_shard(..., reshard_after_forward=False), their "
+            f"unsharded storage sizes are {sizes}; with reshard_after_forward=False each unit stays unsharded after "
+            f"its forward (size > 0)")
