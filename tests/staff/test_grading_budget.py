@@ -514,7 +514,9 @@ def test_the_handout_says_when_a_test_is_not_run_and_its_time_limit_as_the_grade
         "not run, for time: this test was not started, so it was not graded; nothing in it failed. ",  # (2)
         "not run: the grading time budget (", "not run: the run stopped early (",  # (3) the whole run
         "not run: the grading run was stopped before this test ran (a global time limit or a crash); "}, reasons
-    assert "(3) The whole run stopped before the test started (its time ran out, or it crashed)." in text
+    assert "(3) The whole run stopped before the test started (its time ran out, or it crashed), or the grading " \
+        "time left was less than the test needs on a busy machine." in " ".join(text.split())
+    assert '"did not finish, cut for time"' in text and "not evidence of a hang" in " ".join(text.split())
 
 
 # ---- real hanging submissions, graded in full (slow: whole grading runs) -------------------------------------
