@@ -80,7 +80,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     ``mixed_precision`` is a ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` is the dtype
     parameters are gathered and computed in (floating-point inputs, positional and keyword, are cast to it
     unless its ``cast_forward_inputs`` is False), ``reduce_dtype`` the dtype gradients are reduced and summed
-    in (default: ``param_dtype``); shards and their gradients keep the parameters' dtype, and buffers are
+    in (default: ``param_dtype``; also when ``param_dtype`` is None); shards and their gradients keep the parameters' dtype, and buffers are
     never cast (a floating-point buffer keeps its dtype, in forward and in the state dicts, as with FSDP2). Its
     ``output_dtype`` (FSDP2 casts each unit's forward output to it) is not part of the assignment: raise
     ``NotImplementedError`` naming ``output_dtype`` when it is set, or implement it as FSDP2 does; never ignore it
@@ -116,7 +116,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
     """With False, backward keeps accumulating full (unsharded) gradients and communicates no gradient at all
     (no reduce-scatter, no all-reduce), for gradient accumulation over micro-batches; the next backward with
-    True reduces the sum."""
+    True reduces the sum of the micro-batches since the last backward with True, summed in ``reduce_dtype``."""
     raise NotImplementedError("Task 7: implement set_requires_gradient_sync() in fsdp_assignment/task7_fully_shard.py (see its docstring)")
 
 

@@ -17,8 +17,8 @@ issued relative to every module's forward and backward:
   backward computation of the unit whose backward precedes it begins and before that unit's reduce-scatter (the
   last unit of the forward: before its own backward computation, the root's backward running first);
 - reduce-scatters: all asynchronous, at most one in flight at any moment, each still in flight when the backward
-  reaches the next unit (its input alive until then), all landed in ``shard.grad``, in issue order, when
-  ``loss.backward()`` returns;
+  reaches the next unit (what it reads kept alive until it is waited on: a backend's handle need not keep
+  it), all landed in ``shard.grad``, in issue order, when ``loss.backward()`` returns;
 - at most two non-root units unsharded at any moment (the one computing, the one prefetched; with nested units,
   plus the units the one computing is nested in), also during an
   activation-checkpointing recomputation, after an order change and with a unit run twice; each unit all-gathered

@@ -94,7 +94,7 @@ def fully_shard(module: nn.Module, *, reshard_after_forward: bool = True, mixed_
     ``mixed_precision`` is a ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` is the dtype
     parameters are gathered and computed in (floating-point inputs, positional and keyword, are cast to it
     unless its ``cast_forward_inputs`` is False), ``reduce_dtype`` the dtype gradients are reduced and summed
-    in (default: ``param_dtype``); shards and their gradients keep the parameters' dtype, and buffers are
+    in (default: ``param_dtype``; also when ``param_dtype`` is None); shards and their gradients keep the parameters' dtype, and buffers are
     never cast (a floating-point buffer keeps its dtype, in forward and in the state dicts, as with FSDP2). Its
     ``output_dtype`` (FSDP2 casts each unit's forward output to it) is not part of the assignment: raise
     ``NotImplementedError`` naming ``output_dtype`` when it is set, or implement it as FSDP2 does; never ignore it
@@ -266,7 +266,7 @@ def lazy_init(root: FSDPUnit) -> None:
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
     """With False, backward keeps accumulating full (unsharded) gradients and communicates no gradient at all
     (no reduce-scatter, no all-reduce), for gradient accumulation over micro-batches; the next backward with
-    True reduces the sum."""
+    True reduces the sum of the micro-batches since the last backward with True, summed in ``reduce_dtype``."""
     for unit in fsdp_units(module):
         unit.requires_gradient_sync = requires_gradient_sync
 
