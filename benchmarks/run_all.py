@@ -1,6 +1,6 @@
 """Run the four benchmarks one after the other and gather their tables into one summary.
 
-    python benchmarks/run_all.py                             # defaults: all four, CPU, 279-297 s on 2 quiet cores (README)
+    python benchmarks/run_all.py                             # defaults: all four, CPU, 167-297 s on 2 quiet cores (README)
     python benchmarks/run_all.py --only memory step
     python benchmarks/run_all.py --quick                     # tiny sizes, W=2 only: a smoke run (~1 min)
     python benchmarks/run_all.py --launcher slurm --slurm-config benchmarks/slurm/cluster.toml --device cuda \\

@@ -1,7 +1,7 @@
 """The writeup's answer key, generated: every number in it comes from a results folder (staff only).
 
     python staff/answer_key/regenerate.py              # run the reference's benchmarks at the default sizes into
-                                                       # staff/answer_key/results/ (run_all.py: 279-297 s on 2 quiet
+                                                       # staff/answer_key/results/ (run_all.py: 167-297 s on 2 quiet
                                                        # cores, 563-1,693 s at load 8-21: the README's timings; the
                                                        # committed run took 271 s at load 3.8, results/run.json), then write
                                                        # NUMBERS.md and ANSWER_KEY.md from it
