@@ -260,10 +260,24 @@ def _file_outcomes():
                 pass
 
 
+def _file_outcomes_with(namespace: str):
+    """_file_outcomes in a pytest-free Python of its own whose forkserver reads FSDP_RANK_MOUNT_NAMESPACE."""
+    import json
+    import sys
+    code = ("import json, tests.test_rank_sandbox as t; print('OUT', json.dumps(t._file_outcomes()))")
+    env = dict(os.environ, FSDP_RANK_MOUNT_NAMESPACE=namespace)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = [line for line in done.stdout.splitlines() if line.startswith("OUT ")]
+    assert lines, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(lines[-1][4:])
+
+
 def test_a_file_rank_0_writes_is_not_there_for_rank_1():
-    """Where the kernel lets root make a mount namespace (here), every shared temporary place and TMPDIR is a
-    private tmpfs per rank: what rank 0 writes at a path, whatever its mode, rank 1 does not find there."""
-    (mine0, _), (mine1, got) = _file_outcomes()
+    """Where the kernel lets root make a mount namespace (here) and FSDP_RANK_MOUNT_NAMESPACE=1 turns it on, every
+    shared temporary place and TMPDIR is a private tmpfs per rank: what rank 0 writes at a path, whatever its mode,
+    rank 1 does not find there."""
+    (mine0, _), (mine1, got) = _file_outcomes_with("1")
     assert set(got) >= {"TMPDIR", "/tmp", "/dev/shm", "torch.from_file window"}, got
     for place, outcome in got.items():
         assert outcome != "from rank 0" and not (place == "window sum" and outcome != 0.0), (place, got)
@@ -276,15 +290,7 @@ def test_without_a_mount_namespace_each_rank_still_gets_a_folder_of_its_own():
     a pytest of its own (the rank reads it in the forkserver's environment): TMPDIR is a folder per rank, mode 700.
     Ranks that share one uid can still open each other's folder and meet in /tmp and /dev/shm: a uid per rank
     is what would close that (issue 40 item 4, not done: see the module's docstring)."""
-    import json
-    import sys
-    code = ("import json, tests.test_rank_sandbox as t; print('OUT', json.dumps(t._file_outcomes()))")
-    env = dict(os.environ, FSDP_RANK_MOUNT_NAMESPACE="0")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    lines = [line for line in done.stdout.splitlines() if line.startswith("OUT ")]
-    assert lines, done.stdout[-2000:] + done.stderr[-2000:]
-    (mine0, _), (mine1, got) = json.loads(lines[-1][4:])
+    (mine0, _), (mine1, got) = _file_outcomes_with("0")
     assert mine0["TMPDIR"].endswith("/rank0") and mine1["TMPDIR"].endswith("/rank1"), (mine0, mine1)
     assert mine0["mode"] == mine1["mode"] == "700", (mine0, mine1)
     assert got["TMPDIR"] == "from rank 0", got  # the fallback's known gap: one uid for both ranks

@@ -597,8 +597,10 @@ def test_the_staff_log_says_whether_ranks_get_private_places():
     from staff.autograder.rank_user import private_places_note
     import subprocess
     import sys
-    assert private_places_note() == "ranks get private /tmp, /var/tmp, /dev/shm and TMPDIR (a mount namespace each)"
     code = "from staff.autograder.rank_user import private_places_note as n; print(n())"
+    on = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, FSDP_RANK_MOUNT_NAMESPACE="1"),
+                        capture_output=True, text=True, check=True).stdout
+    assert on.strip() == "ranks get private /tmp, /var/tmp, /dev/shm and TMPDIR (a mount namespace each)", on
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, FSDP_RANK_MOUNT_NAMESPACE="0"),
                          capture_output=True, text=True, check=True).stdout
     assert "share /tmp and /dev/shm" in out, out
