@@ -42,7 +42,7 @@ def enter_own_mount_namespace() -> None:
         return
     if os.environ.get("FSDP_RANK_MOUNT_NAMESPACE") != "1":
         # Off unless asked for: graded as the rank user (the staff's setup.sh image), the private tmpfs holds what
-        # torch writes to its temporary folders, which then counts as the rank's memory: the reference failed four
+        # torch writes to its temporary folders, which then counts as the rank's memory: the staff's solution failed four
         # Task 4 held-at-mark bounds by 0.1-1.2 MiB there. On once those bounds allow for it.
         _why_not = "off by default (FSDP_RANK_MOUNT_NAMESPACE=1 turns it on)"
         return
