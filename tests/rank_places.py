@@ -41,9 +41,10 @@ def enter_own_mount_namespace() -> None:
     if os.geteuid() != 0:
         return
     if os.environ.get("FSDP_RANK_MOUNT_NAMESPACE") != "1":
-        # Off unless asked for: graded as the rank user (the staff's setup.sh image), the private tmpfs holds what
-        # torch writes to its temporary folders, which then counts as the rank's memory: the staff's solution failed four
-        # Task 4 held-at-mark bounds by 0.1-1.2 MiB there. On once those bounds allow for it.
+        # Off unless asked for: graded as the rank user (the staff's setup.sh image), the private tmpfs first hid
+        # the Python and the tree laid out under /tmp (now bound back), and what torch writes to its temporary
+        # folders there counts as the rank's memory, which no memory bound has been measured against on that
+        # image yet. On once it has.
         _why_not = "off by default (FSDP_RANK_MOUNT_NAMESPACE=1 turns it on)"
         return
     if len(os.listdir("/proc/self/task")) != 1:  # a thread started before would keep the machine's tree
