@@ -185,7 +185,13 @@ def test_raising_rank_fails_fast_with_its_traceback():
     assert "rank 0: still running, killed after rank 1 failed" in message
 
 
-def test_a_rank_that_returned_is_not_blamed_for_a_peer_failure():
+def test_a_rank_that_returned_is_not_blamed_for_a_peer_failure(monkeypatch):
+    # Rank 0 learns of rank 1's death only when rank 1's process has exited and closed its sockets; on a loaded
+    # 2-core machine (CI) that can take longer than the usual half second the harness waits for other ranks'
+    # reports after a first failure, and rank 0 is then killed "still running" (also true, but not this test's
+    # case). The wait is lengthened here, so the test judges how a returned rank is described, not the load.
+    import tests.harness_start
+    monkeypatch.setattr(tests.harness_start, "GRACE_AFTER_FAILURE_S", 30.0)
     with pytest.raises(RankFailure) as info:
         run_ranks(_rank1_raises_rank0_returns, 2)
     assert info.value.rank == 1 and str(info.value).startswith("rank 1 of 2 raised ValueError: rank 1 failed late")
