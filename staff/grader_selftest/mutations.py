@@ -163,7 +163,8 @@ def tests_for(mutant: Mutant, root: Path = ROOT, *, public: bool = False) -> lis
     return names
 
 
-def runs_for(mutant: Mutant, root: Path = ROOT, *, public: bool = True) -> list[tuple[str, list[str], bool]]:
+def runs_for(mutant: Mutant, root: Path = ROOT, *, public: bool = True,
+             first: tuple[str, ...] = ()) -> list[tuple[str, list[str], bool]]:
     """The grading runs of one mutant, in order: (name, pytest arguments, public only). Each runs with -x:
     - "target": its target (the hidden test written for it) alone, when it has one: shown to do its job;
     - "public-calling": the public tests that call a function it edits, in a tree without the hidden tests;
@@ -172,10 +173,12 @@ def runs_for(mutant: Mutant, root: Path = ROOT, *, public: bool = True) -> list[
       nothing killed it yet): a survivor has survived the whole suite.
     ``public=False`` (CI, which asks only whether the whole suite kills it): "calling", the tests of either suite
     that call a function it edits, its target first; then, if it survived them, "all", the whole suite. A mutant
-    that only a hidden test kills then costs no run of the whole public suite."""
+    that only a hidden test kills then costs no run of the whole public suite. ``first`` (CI's runs only): tests
+    to run next after the target, by name, e.g. the killer a full run recorded: the order changes, the suite
+    judged does not (a mutant they no longer kill meets every other test still)."""
     order = ["--grade-first-task", str(mutant.task)]
     if not public:
-        first = ["--grade-first", mutant.target] if mutant.target else []
+        first = [arg for name in (mutant.target, *first) if name for arg in ("--grade-first", name)]
         calling = tests_for(mutant, root)
         return ([("calling", [*mutant_grading.select_args(calling), *order, *first], False)] if calling else []) + \
             [("all", [*order, *first], False)]
@@ -190,7 +193,7 @@ def runs_for(mutant: Mutant, root: Path = ROOT, *, public: bool = True) -> list[
 
 
 def run_mutant(mutant: Mutant, workdir: Path, root: Path = ROOT, *, public: bool = True,
-               public_only: bool = False) -> Outcome:
+               public_only: bool = False, first: tuple[str, ...] = ()) -> Outcome:
     """Grade one mutant by ``runs_for``'s runs: its target; then the public suite alone (which decides the public
     kill rate); then, if nothing killed it, the hidden tests. The killer is the target when it killed it, else
     the first public test that did, else the hidden test that did. ``public=False``: ``runs_for``'s CI runs, and
@@ -199,7 +202,7 @@ def run_mutant(mutant: Mutant, workdir: Path, root: Path = ROOT, *, public: bool
     files = mutated_files(mutant, root)
     seconds = graded = 0
     killer = detail = public_killer = ""
-    for run, args, public_tree in runs_for(mutant, root, public=public):
+    for run, args, public_tree in runs_for(mutant, root, public=public, first=first):
         if run == "public" and public_killer or run in ("hidden", "all") and (killer or public_killer):
             continue
         if public_only and not public_tree:  # the target and the hidden run: not what the public rate needs
@@ -216,13 +219,16 @@ def run_mutant(mutant: Mutant, workdir: Path, root: Path = ROOT, *, public: bool
 
 
 def run_all(mutants: list[Mutant], workers: int = 2, root: Path = ROOT, log=print, *,
-            public: bool = True, public_only: bool = False) -> list[Outcome]:
+            public: bool = True, public_only: bool = False,
+            first: dict[str, tuple[str, ...]] | None = None) -> list[Outcome]:
+    """Grade the mutants, ``workers`` at a time. ``first`` (with ``public=False``): per mutant id, tests to run
+    first after its target (``runs_for``)."""
     workdir = Path(tempfile.mkdtemp(prefix="fsdp-mutants-"))
     try:
         outcomes = []
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = {pool.submit(run_mutant, m, workdir, root, public=public, public_only=public_only): m
-                       for m in mutants}
+            futures = {pool.submit(run_mutant, m, workdir, root, public=public, public_only=public_only,
+                                   first=(first or {}).get(m.id, ())): m for m in mutants}
             for future in concurrent.futures.as_completed(futures):
                 outcome = future.result()
                 hidden_only = public and outcome.killed and not outcome.public_killed
