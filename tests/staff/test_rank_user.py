@@ -141,6 +141,12 @@ def test_a_fork_and_exit_storm_of_the_rank_user_is_reaped():
         time.sleep(0.2)
         assert first and heartbeat() != first, "the storm did not start (can 'nobody' run Python here?)"
         reap_user_processes(entry.pw_uid)  # (how many it saw depends on timing: a storm hides from listings)
+        # A process SIGKILLed in the middle of its write still finishes that write: on a loaded machine the last
+        # ones die well after the reap returns (CI once read a beat 0.1 s after it). Wait for them to be gone
+        # (a storm that outlived the reap never is), then the heartbeat must stand still.
+        gone_by = time.monotonic() + 15
+        while processes_of(entry.pw_uid) and time.monotonic() < gone_by:
+            time.sleep(0.05)
         time.sleep(0.1)
         last = heartbeat()
         time.sleep(0.5)
