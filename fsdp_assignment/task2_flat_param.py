@@ -64,7 +64,8 @@ class FlatParameter:
           does not yield them); ``use_unsharded_views()`` puts views back as plain tensor attributes;
         - the FlatParameter starts sharded: ``unsharded``'s storage has size 0.
 
-        On ``meta`` parameters the shard is on ``meta`` too (Task 1 materializes it).
+        On ``meta`` parameters ``shard`` and ``unsharded`` are on ``meta`` too (Task 1 materializes both, and
+        they stay the same Python objects).
         ``unsharded_dtype`` (mixed precision) is the dtype of ``unsharded``; by default the parameters'.
         Memory: never allocates a full flat buffer; at most the shard and the parameters already there.
         """

@@ -21,8 +21,9 @@ issued relative to every module's forward and backward:
   it), all landed in ``shard.grad``, in issue order, when ``loss.backward()`` returns;
 - at most two non-root units unsharded at any moment (the one computing, the one prefetched; with nested units,
   plus the units the one computing is nested in), also during an
-  activation-checkpointing recomputation, after an order change and with a unit run twice; each unit all-gathered
-  exactly once per forward, and once per backward if it was resharded after forward; an all-gather in flight is
+  activation-checkpointing recomputation, after an order change and with a unit run twice; each unit that runs once
+  all-gathered exactly once per forward, and once per backward if it was resharded after forward (a unit run
+  twice: not counted); an all-gather in flight is
   waited on before its buffer is used or freed; a unit prefetched that then does not run is resharded, its gather
   waited on, by the end of backward, and never serves stale parameters;
 - after an order change, the first forward may still prefetch by the old order; the next one follows the new.

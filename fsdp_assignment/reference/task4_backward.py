@@ -19,8 +19,10 @@ observe, for every unit and every ``loss.backward()``:
   runs, not after autograd's last operation of it;
 - collectives: a backward all-gathers again exactly the units that were resharded after forward, each once (the
   root once or not at all), and reduce-scatters each trainable FlatParameter's padded full gradient once (in
-  ``reduce_dtype`` when set); nothing else, no all-reduce. Every rank issues the same collectives in the same
-  order, so nothing ever hangs.
+  ``reduce_dtype`` when set); nothing else, no all-reduce. These counts are checked where every unit runs once
+  per forward; a unit run twice may be gathered again for each run's backward (its gradients and the memory
+  rules are checked then, not its count). Every rank issues the same collectives in the same order, so nothing
+  ever hangs.
 
 The hard cases, each a test; your design must solve them:
 
