@@ -42,7 +42,10 @@ def materialize_meta_module(module: nn.Module, device: torch.device | str) -> No
     - Dtypes stay: a bf16 or fp64 model stays bf16 or fp64; integer and boolean buffers stay so.
     - A module owning meta parameters or buffers (directly, or through its unit's FlatParameter) without a
       ``reset_parameters()``: ``TypeError`` naming the module (its class or its name).
-    - Parameters and buffers already off ``meta`` keep their values; ``None`` buffers stay ``None``.
+    - Parameters and buffers already off ``meta`` are left in place with their values, and a module with no
+      meta state of its own is not re-initialized (its ``reset_parameters()`` is not called); a module that
+      still holds meta state has its ``reset_parameters()`` run, which writes what it writes, real tensors
+      included, as in eager init. ``None`` buffers stay ``None``.
     - A sharded unit: each FlatParameter's ``shard`` holds this rank's slice of the eager values (padding
       zero), its ``unsharded`` has storage size 0 on ``device``; both keep dtype and ``requires_grad`` and
       stay the *same Python objects* (the shard may be registered on its module or held by an optimizer).
