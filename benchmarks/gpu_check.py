@@ -87,7 +87,9 @@ def snapshot(path: Path, device: str) -> dict:
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
-    store = dist.FileStore(tempfile.mktemp(prefix="fsdp_snapshot_"), 1)
+    # The store's file lives in a folder of our own that goes with the run (a FileStore of one rank leaves it).
+    store_dir = tempfile.TemporaryDirectory(prefix="fsdp_snapshot_")
+    store = dist.FileStore(str(Path(store_dir.name) / "store"), 1)
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
     try:
         size = ({"params": 4e6, "layers": 8, "block_size": 32, "vocab": 1021} if cuda else  # CPU: tiny, it only
@@ -108,6 +110,8 @@ def snapshot(path: Path, device: str) -> dict:
         return {"snapshot": None, "note": "CPU: 3 FSDP steps ran; CUDA memory history exists only on a GPU"}
     finally:
         dist.destroy_process_group()
+        del store
+        store_dir.cleanup()
 
 
 def main(argv=None) -> int:

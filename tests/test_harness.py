@@ -270,7 +270,10 @@ def test_ranks_die_when_the_pytest_process_dies(tmp_path):
         from tests.test_harness import _sleep_forever
         run_ranks(_sleep_forever, 2, {str(tmp_path)!r}, timeout=120)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    # Its temporary folders (the run's, multiprocessing's) inside tmp_path: killed, it removes none of them.
+    (tmp_path / "tmp").mkdir()
+    parent = subprocess.Popen([sys.executable, "-c", script], start_new_session=True,
+                              env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")))
     try:
         deadline = time.monotonic() + 300  # ~2 s quiet (a fresh Python imports torch); generous for load 10
         while len(list(tmp_path.glob("*.pids"))) < 2 and time.monotonic() < deadline:
