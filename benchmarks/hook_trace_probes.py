@@ -80,8 +80,6 @@ def state_dict_peaks(model, loss_of, step: int) -> dict:
     bytes of the storages allocated while your code builds the model's state dict, then the optimizer's (the
     model's dict still held), as ``fsdp_assignment/support/memory.py``'s LiveStorageTracker counts them, over what
     the rank held before (its shards and the optimizer's state, tracked first: a view of them costs nothing)."""
-    import gc
-
     import torch
 
     import adapters
@@ -101,15 +99,32 @@ def state_dict_peaks(model, loss_of, step: int) -> dict:
             base = mem.current_bytes
             mem.reset_peak()
             model_sd = adapters.get_model_state_dict(model, full=full)
-            gc.collect()  # held: what is still referenced, not what a reference cycle keeps until the collector runs
-            model_peak, model_held = mem.peak_bytes - base, mem.current_bytes - base
+            model_peak, model_held = mem.peak_bytes - base, _settled_bytes(mem) - base
             optim_sd = adapters.get_optimizer_state_dict(model, optimizer, full=full)
-            gc.collect()
             out["full" if full else "sharded"] = {
                 "model_peak": model_peak, "model_held": model_held, "peak": mem.peak_bytes - base,
-                "held": mem.current_bytes - base, "already_held": base}
+                "held": _settled_bytes(mem) - base, "already_held": base}
         del model_sd, optim_sd
     return out
+
+
+def _settled_bytes(mem, quiet_s: float = 0.3, limit_s: float = 5.0) -> int:
+    """The tracker's live bytes once nothing more has been freed for ``quiet_s``: held means still referenced.
+    gc.collect() each time (a reference cycle is not a reference anyone holds), and a wait because gloo's worker
+    thread drops its reference to a collective's buffers a moment after ``wait()`` returns: under load, after a
+    first reading (CI once read one unit's gathered buffer, 71,400 bytes, still alive)."""
+    import gc
+    import time
+
+    gc.collect()
+    last, steady_since, give_up = mem.current_bytes, time.monotonic(), time.monotonic() + limit_s
+    while time.monotonic() - steady_since < quiet_s and time.monotonic() < give_up:
+        time.sleep(0.02)
+        gc.collect()
+        now = mem.current_bytes
+        if now != last:
+            last, steady_since = now, time.monotonic()
+    return last
 
 
 class DtypeWatch:
