@@ -27,15 +27,13 @@ pytestmark = pytest.mark.staff
 # Lies that still outscore their honest twin in lies.json (graded on the evidence tests, load 10-17), and why. The list
 # may only shrink. Issue 35 item 1 is done where a test's model resolves the defect: Task 3's forward test and the
 # hidden really-frees tests (wide GPTs built unit by unit) and Task 7's resharding test catch never_free's lie; the
-# byte bounds catch an all-reduce in 17 tests at W >= 2. Not where the model is a few KiB a unit.
+# byte bounds catch an all-reduce in 19 tests at W >= 2 (all_reduce regraded quiet after Task 4's shared-input test was
+# widened to 103K elements: 33.59 both, it paid 0.80 before). Not where the model is a few KiB a unit.
 KNOWN_TO_PAY = {
     "never_free_small": "29 memory tests whose models are 0.1-0.2 MiB a unit (Tasks 2-7, LoRA, the differential "
                         "test) pass the lie: their witness bounds only gross excess (4.01 vs 37.59). Issue 40's "
                         "held-after-backward bounds failed it in six more Task 4 tests, but also failed the staff's "
                         "solution by 0.1-1.2 MiB graded as the rank user on the setup.sh image: they are off",
-    "all_reduce": "the tied-weights model and the no-reshard test move too few bytes for the bound (31.28 vs 33.75, "
-                  "graded before issue 40 stopped charging an honest all-reduce at W=1, where it sends nothing: "
-                  "not regraded since)",
     "never_free_no_task7": "as never_free_small, with Task 7's tests lost by both (3.21 vs 32.79)",
     "rs_waited_at_once": "overlap is seen only by the in-rank log, which the lie rewrites, and no kernel witness can "
                          "judge it (48.58 vs 52.78): the staff review flags the lie's lines for a person (kind "
